@@ -1,0 +1,33 @@
+import os
+
+import pytest
+import torch
+
+# Two cores on CI: more threads only add contention.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Qwen3.5 VLM saved with its processor, as a user's model directory would be."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from ocriaquant.model import tiny_config
+    from ocriaquant.model.processor import save_processor
+    from ocriaquant.model.reference import reference_processor
+
+    out = tmp_path_factory.mktemp("tiny-qwen35")
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(tiny_config()).save_pretrained(out)
+    save_processor(reference_processor(max_pixels=128 * 160), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def synth_pages(tmp_path_factory):
+    from ocriaquant.data.synth import SynthStyle, write_pages
+
+    out = tmp_path_factory.mktemp("pages")
+    write_pages(out, 6, seed=1, style=SynthStyle(width=256, height=320, font_size=12, heading_size=16,
+                                                 subheading_size=14, margin=16))
+    return out

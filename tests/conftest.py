@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-qwen35")
     torch.manual_seed(0)
     Qwen3_5ForConditionalGeneration(tiny_config()).save_pretrained(out)
-    save_processor(reference_processor(max_pixels=128 * 160), out)
+    save_processor(reference_processor(max_pixels=256 * 320), out)
     return out
 
 

@@ -4,7 +4,7 @@ from PIL import Image
 
 from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
 from ocriaquant.data.split import heldout_score, select_split
-from ocriaquant.data.synth import SynthStyle, make_page
+from ocriaquant.data.synth import GRID_STYLE, SynthStyle, make_page
 from ocriaquant.errors import OcriaError
 
 
@@ -155,5 +155,10 @@ def test_bundled_pages():
     calib, held = split_pages(report.pages)
     assert len(calib) >= 48 and len(held) >= 48
     # The committed pages are exactly what the generator draws for their seeds.
-    p = make_page(5)
+    import json
+
+    style = SynthStyle(**{k: tuple(v) if isinstance(v, list) else v
+                          for k, v in json.loads((BUNDLED_PAGES / "synth.json").read_text())["style"].items()})
+    assert style == GRID_STYLE
+    p = make_page(5, style)
     assert (BUNDLED_PAGES / "page-0005.md").read_text().rstrip() == p.markdown

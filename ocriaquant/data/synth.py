@@ -47,6 +47,12 @@ class SynthStyle:
     monospace: bool = False
     max_blocks: int = 8
     kinds: tuple[str, ...] = ("paragraph", "list", "table", "subheading")
+    # Grid mode: every character sits in its own cell_w x cell_h cell (monospace, one glyph
+    # per cell). With 16x32 cells each 32x32 merged vision token sees exactly two characters
+    # of one line: the easiest layout for a tiny model to learn to read.
+    grid: bool = False
+    cell_w: int = 16
+    cell_h: int = 32
 
     def __post_init__(self) -> None:
         unknown = set(self.kinds) - {"paragraph", "list", "table", "subheading"}
@@ -193,6 +199,115 @@ class _Canvas:
         return True
 
 
+class _GridCanvas:
+    """Monospace pages on a character grid: blocks separated by a blank row, H1 bold and
+    underlined, H2 bold, bullets as a dot in the first cell, tables boxed with rules."""
+
+    def __init__(self, style: SynthStyle):
+        self.s = style
+        self.img = Image.new("L", (style.width, style.height), 255)
+        self.draw = ImageDraw.Draw(self.img)
+        self.cols = (style.width - 2 * style.margin) // style.cell_w
+        self.rows = (style.height - 2 * style.margin) // style.cell_h
+        self.row = 0
+        size = int(style.cell_h * 0.7)
+        self.regular, self.bold = _font(size, False, True), _font(size, True, True)
+
+    def _fits(self, n_rows: int) -> bool:
+        return self.row + n_rows <= self.rows
+
+    def _xy(self, col: int, row: int) -> tuple[int, int]:
+        return self.s.margin + col * self.s.cell_w, self.s.margin + row * self.s.cell_h
+
+    def _put(self, text: str, col: int, font) -> None:
+        for i, ch in enumerate(text):
+            x, y = self._xy(col + i, self.row)
+            # Centre the glyph in its cell.
+            self.draw.text((x + self.s.cell_w / 2, y + self.s.cell_h / 2), ch, font=font, fill=0, anchor="mm")
+
+    def _wrap(self, text: str, width: int) -> list[str] | None:
+        lines, cur = [], ""
+        for word in text.split(" "):
+            if len(word) > width:
+                return None
+            trial = f"{cur} {word}" if cur else word
+            if len(trial) <= width:
+                cur = trial
+            else:
+                lines.append(cur)
+                cur = word
+        return lines + [cur] if cur else lines
+
+    def _gap(self) -> None:
+        self.row += 1  # blank row between blocks
+
+    def heading(self, text: str, size: int) -> bool:
+        level1 = size == self.s.heading_size
+        lines = self._wrap(text, self.cols)
+        if lines is None or not self._fits(len(lines) + 1):
+            return False
+        for ln in lines:
+            self._put(ln, 0, self.bold)
+            if level1:
+                x, y = self._xy(0, self.row)
+                yb = y + self.s.cell_h - 3
+                self.draw.line((x, yb, x + len(ln) * self.s.cell_w, yb), fill=0, width=2)
+            self.row += 1
+        self._gap()
+        return True
+
+    def paragraph(self, text: str) -> bool:
+        lines = self._wrap(text, self.cols)
+        if lines is None or not self._fits(len(lines) + 1):
+            return False
+        for ln in lines:
+            self._put(ln, 0, self.regular)
+            self.row += 1
+        self._gap()
+        return True
+
+    def bullets(self, items: list[str]) -> bool:
+        wrapped = [self._wrap(it, self.cols - 2) for it in items]
+        if any(w is None for w in wrapped) or not self._fits(sum(len(w) for w in wrapped) + 1):
+            return False
+        r = max(2, self.s.cell_w // 5)
+        for lines in wrapped:
+            x, y = self._xy(0, self.row)
+            cx, cy = x + self.s.cell_w // 2, y + self.s.cell_h // 2
+            self.draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=0)
+            for ln in lines:
+                self._put(ln, 2, self.regular)
+                self.row += 1
+        self._gap()
+        return True
+
+    def table(self, rows: list[list[str]]) -> bool:
+        ncol = len(rows[0])
+        widths = [max(len(r[c]) for r in rows) for c in range(ncol)]
+        # One separator cell before, between and after columns.
+        total = sum(widths) + ncol + 1
+        if total > self.cols or not self._fits(len(rows) + 1):
+            return False
+        seps = [0]
+        for w in widths:
+            seps.append(seps[-1] + w + 1)
+        top = self.row
+        for r, row in enumerate(rows):
+            for c, cell in enumerate(row):
+                self._put(cell, seps[c] + 1, self.bold if r == 0 else self.regular)
+            self.row += 1
+        cw, ch = self.s.cell_w, self.s.cell_h
+        x0, y0 = self._xy(0, top)
+        x1, y1 = x0 + seps[-1] * cw + cw // 2, y0 + len(rows) * ch
+        for sep in seps:  # vertical rules through the middle of separator cells
+            xs = x0 + sep * cw + cw // 2
+            self.draw.line((xs, y0, xs, y1), fill=0, width=1)
+        for yr in (y0, y0 + ch, y1):  # box top, rule under the header, box bottom
+            self.draw.line((x0 + cw // 2, yr, x1, yr), fill=0, width=1)
+        self._gap()
+        return True
+
+
 def _table_rows(rng: random.Random) -> list[list[str]]:
     ncol, nrow = rng.randint(2, 3), rng.randint(2, 4)
     header = [w.capitalize() for w in rng.sample(_WORDS[20:], ncol)]
@@ -215,11 +330,11 @@ def make_page(seed: int, style: SynthStyle | None = None) -> SynthPage:
     """Draw one page. Same seed and style give the same image and markdown."""
     style = style or SynthStyle()
     rng = random.Random(seed)
-    cv = _Canvas(style)
+    cv = _GridCanvas(style) if style.grid else _Canvas(style)
     blocks: list[str] = []
 
     title = _title(rng)
-    if not cv.heading(title, style.heading_size):
+    if not cv.heading(title, style.heading_size):  # a grid page too narrow for the title
         raise ValueError(f"page {style.width}x{style.height} cannot hold a heading at size {style.heading_size}")
     blocks.append(f"# {title}")
 
@@ -264,3 +379,8 @@ def write_pages(out_dir: Path, count: int, seed: int = 0, style: SynthStyle | No
 
 def style_with(**overrides) -> SynthStyle:
     return replace(SynthStyle(), **overrides)
+
+
+# The bundled pages (calib_data/) and the reference model's training pages: a 512x512 grid
+# page of 30x15 character cells, headings, paragraphs, lists and tables.
+GRID_STYLE = SynthStyle(width=512, height=512, margin=16, grid=True, cell_w=16, cell_h=32, max_blocks=6)

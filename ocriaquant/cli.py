@@ -88,6 +88,38 @@ def info(
         render_pages(pages, console, skip_bad=skip_bad)
 
 
+@app.command("eval")
+@_friendly
+def eval_(
+    model: Annotated[Optional[Path], typer.Argument(help="Model or checkpoint directory (default: bundled model).")] = None,
+    pages: Annotated[Optional[Path], typer.Option(help="Pages with ground truth (default: bundled calib_data/).")] = None,
+    split: Annotated[str, typer.Option(help="heldout, calibration or all.")] = "heldout",
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    batch_size: Annotated[int, typer.Option(help="Pages decoded together.")] = 16,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest markdown, in tokens.")] = 512,
+    max_pages: Annotated[Optional[int], typer.Option(help="Evaluate only the first N pages.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write per-page results and the summary as JSON.")] = None,
+    skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip unreadable pages with a warning.")] = False,
+):
+    """Greedy-decode pages and score them against their ground truth.
+
+    Prints the mean normalized edit distance (NED) with a 95% bootstrap interval, CER, exact
+    match and the worst page. With no arguments: the bundled model on the bundled held-out pages.
+    """
+    from .evaluate import evaluate, write_report
+
+    rep = evaluate(model, pages, split, dtype, device, batch_size, max_new_tokens, max_pages, skip_bad, console)
+    s = rep.summary()
+    console.print(f"[bold]{rep.model}[/] on {s['pages']} {split} pages of {rep.pages} ({dtype}):")
+    console.print(f"  NED {s['ned']:.4f}  95% CI [{s['ned_ci'][0]:.4f}, {s['ned_ci'][1]:.4f}]")
+    console.print(f"  CER {s['cer']:.4f}  exact match {s['exact_match']:.1%}")
+    console.print(f"  worst page {s['worst_page']}: NED {s['worst_ned']:.4f}")
+    if out:
+        write_report(rep, out)
+        console.print(f"wrote {out}")
+
+
 def main() -> None:
     app()
 

@@ -115,7 +115,10 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="continue from --work/state.pt (weights, optimizer, step)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="start from these weights (e.g. the bundled model) with a fresh optimizer; "
+                         "--minutes then counts this run only")
     ap.add_argument("--no-graph", action="store_true", help="run eagerly (debugging, CPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
@@ -150,12 +153,17 @@ def main() -> None:
                             weight_decay=0.01, capturable=dev.type == "cuda")
     step, trained_s = 0, 0.0
     state_path = args.work / "state.pt"
+    if args.init_from is not None and not (args.resume and state_path.exists()):
+        src = Qwen3_5ForConditionalGeneration.from_pretrained(args.init_from, dtype=torch.float32)
+        model.load_state_dict(src.state_dict())
+        del src
+        print(f"initialized from {args.init_from}", flush=True)
     if args.resume and state_path.exists():
         st = torch.load(state_path, map_location=dev, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, trained_s = st["step"], st["trained_s"]
-        torch.set_rng_state(st["rng"])
+        torch.set_rng_state(st["rng"].cpu())
         print(f"resumed at step {step}", flush=True)
     model.train()
     fwd = PageBatchForward(model, proc, (GRID_STYLE.height, GRID_STYLE.width), TEXT_LEN, DEFAULT_PROMPT).to(dev)

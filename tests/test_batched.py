@@ -14,7 +14,8 @@ def test_patchify_matches_processor(tiny_model_dir):
     ref = proc.image_processor(images=pages, return_tensors="pt")["pixel_values"]
     imgs = torch.from_numpy(np.stack([np.asarray(p) for p in pages])).permute(0, 3, 1, 2)
     ip = proc.image_processor
-    ours = patchify(imgs, ip.patch_size, ip.merge_size, ip.temporal_patch_size, ip.image_mean, ip.image_std)
+    ours = patchify(imgs, ip.patch_size, ip.merge_size, ip.temporal_patch_size, torch.tensor(ip.image_mean),
+                    torch.tensor(ip.image_std))
     torch.testing.assert_close(ours.reshape(-1, ours.shape[-1]), ref, rtol=1e-5, atol=1e-5)
 
 

@@ -20,14 +20,15 @@ from torch import nn
 from .processor import SYSTEM_PROMPT, PageProcessor, chat_text
 
 
-def patchify(images: torch.Tensor, patch: int, merge: int, temporal: int, mean, std) -> torch.Tensor:
+def patchify(images: torch.Tensor, patch: int, merge: int, temporal: int, mean: torch.Tensor,
+             std: torch.Tensor) -> torch.Tensor:
     """[B, 3, H, W] uint8 or float in [0, 255] -> [B, N, 3*T*P*P] normalized patches, in the
-    order Qwen2VLImageProcessor emits them (merge blocks row-major, then pixels in a patch)."""
+    order Qwen2VLImageProcessor emits them (merge blocks row-major, then pixels in a patch).
+    `mean`/`std` are [3] tensors on the images' device (a host->device copy here would break
+    CUDA-graph capture)."""
     b, c, h, w = images.shape
     x = images.float() / 255.0
-    mean_t = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, c, 1, 1)
-    std_t = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, c, 1, 1)
-    x = (x - mean_t) / std_t
+    x = (x - mean.view(1, c, 1, 1)) / std.view(1, c, 1, 1)
     gh, gw = h // patch, w // patch
     x = x.view(b, c, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # b, gh/m, gw/m, mh, mw, C, ph, pw
@@ -59,7 +60,8 @@ class PageBatchForward(nn.Module):
                              "within its max_pixels")
         ip = processor.image_processor
         self.patch, self.merge, self.temporal = ip.patch_size, ip.merge_size, ip.temporal_patch_size
-        self.mean, self.std = list(ip.image_mean), list(ip.image_std)
+        self.register_buffer("mean", torch.tensor(ip.image_mean, dtype=torch.float32), persistent=False)
+        self.register_buffer("std", torch.tensor(ip.image_std, dtype=torch.float32), persistent=False)
         prefix = enc["input_ids"][0]
         image_id = model.config.image_token_id
         img_pos = (prefix == image_id).nonzero().flatten()

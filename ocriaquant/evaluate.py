@@ -1,0 +1,73 @@
+"""`ocriaquant eval`: decode pages with ground truth and report NED / CER with confidence intervals."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .data import BUNDLED_PAGES, load_pages, select_split
+from .errors import OcriaError
+from .eval import bootstrap_mean, cer, exact_match, ned
+from .model import load_model
+from .model.generate import greedy_decode
+
+
+@dataclass
+class PageResult:
+    name: str
+    ned: float
+    cer: float
+    exact: float
+    prediction: str
+
+
+@dataclass
+class EvalReport:
+    model: str
+    pages: str
+    split: str
+    dtype: str
+    results: list[PageResult]
+
+    def summary(self) -> dict:
+        neds = [r.ned for r in self.results]
+        ci = bootstrap_mean(neds)
+        cer_ci = bootstrap_mean([r.cer for r in self.results])
+        worst = max(self.results, key=lambda r: r.ned)
+        return {"pages": len(self.results), "ned": ci.estimate, "ned_ci": [ci.low, ci.high],
+                "cer": cer_ci.estimate, "cer_ci": [cer_ci.low, cer_ci.high],
+                "exact_match": sum(r.exact for r in self.results) / len(self.results),
+                "worst_page": worst.name, "worst_ned": worst.ned}
+
+
+def evaluate(model: str | Path | None = None, pages: str | Path | None = None, split: str = "heldout",
+             dtype: str = "bf16", device: str = "cpu", batch_size: int = 16, max_new_tokens: int = 512,
+             max_pages: int | None = None, skip_bad: bool = False, console: Console | None = None) -> EvalReport:
+    pages_dir = Path(pages) if pages else BUNDLED_PAGES
+    report = load_pages(pages_dir, skip_bad=skip_bad)
+    chosen = [p for p in select_split(report.pages, split) if p.has_reference]
+    if max_pages:
+        chosen = chosen[:max_pages]
+    if not chosen:
+        raise OcriaError(f"{pages_dir}: no {split} pages with ground truth (NAME.md / NAME.txt beside the image)")
+    net, proc = load_model(model, dtype=dtype, device=device)
+    with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("pages", total=len(chosen))
+        preds = greedy_decode(net, proc, chosen, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                              on_batch=lambda n: bar.advance(task, n))
+    results = [PageResult(p.name, ned(y, p.reference), cer(y, p.reference), exact_match(y, p.reference), y)
+               for p, y in zip(chosen, preds)]
+    return EvalReport(str(model or "bundled model"), str(pages_dir), split, dtype, results)
+
+
+def write_report(report: EvalReport, path: Path) -> None:
+    data = {"model": report.model, "pages": report.pages, "split": report.split, "dtype": report.dtype,
+            "summary": report.summary(), "results": [asdict(r) for r in report.results]}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)

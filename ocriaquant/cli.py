@@ -88,6 +88,34 @@ def info(
         render_pages(pages, console, skip_bad=skip_bad)
 
 
+@app.command()
+@_friendly
+def calibrate(
+    model: Annotated[Optional[Path], typer.Argument(help="Local Qwen3.5 model directory (default: bundled model).")] = None,
+    pages: Annotated[Optional[Path], typer.Option(help="Your pages: images, PDFs or an imagefolder "
+                                                  "(default: bundled calib_data/).")] = None,
+    out: Annotated[Path, typer.Option(help="Calibration artifact directory.")] = Path("ocriaquant-out/calib"),
+    max_pages: Annotated[int, typer.Option(help="Calibrate on at most this many pages (0: all).")] = 32,
+    split: Annotated[str, typer.Option(help="Which pages: calibration (hash split), heldout or all.")] = "calibration",
+    batch_size: Annotated[int, typer.Option(help="Pages per forward/backward pass.")] = 4,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="fp32 (CPU default) or bf16.")] = "fp32",
+    skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip unreadable pages with a warning.")] = False,
+):
+    """Measure how your pages look inside the model and how much each layer group suffers
+    in FP8 or NVFP4, on H200 (NVFP4 weight-only) and B200 (NVFP4 W4A4) numerics.
+
+    Pages are teacher-forced on their ground truth (NAME.md beside the image) or on the
+    model's own output. The artifact (OUT/meta.json, stats.safetensors, sensitivity.json) is
+    reused when model, pages and settings are unchanged; an interrupted run resumes.
+    """
+    from .calibrate import calibrate as run
+
+    res = run(model, pages, out, max_pages or None, batch_size, device, dtype, split, skip_bad, err_console)
+    if not res.reused:
+        console.print(f"calibrated on {res.pages} pages in {res.seconds:.1f}s -> {res.out}")
+
+
 @app.command("eval")
 @_friendly
 def eval_(

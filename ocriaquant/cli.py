@@ -116,6 +116,38 @@ def calibrate(
         console.print(f"calibrated on {res.pages} pages in {res.seconds:.1f}s -> {res.out}")
 
 
+@app.command()
+@_friendly
+def search(
+    calib: Annotated[Optional[Path], typer.Argument(help="Calibration artifact (default: ocriaquant-out/calib, "
+                                                    "made first if missing).")] = None,
+    pages: Annotated[Optional[Path], typer.Option(help="Pages whose held-out split judges candidates "
+                                                  "(default: the calibration's page folder).")] = None,
+    out: Annotated[Path, typer.Option(help="Where plan.json, report.md/json and pareto.png go.")] = Path("ocriaquant-out/search"),
+    target: Annotated[str, typer.Option(help="h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4).")] = "h200",
+    batch: Annotated[int, typer.Option(help="Serving batch the step time is predicted for.")] = 1,
+    max_ned_increase: Annotated[float, typer.Option(help="Tolerance: the chosen plan's NED increase over BF16, "
+                                                    "95% upper bound.")] = 0.01,
+    policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
+    latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from scripts/bench_kernels.py.")] = None,
+    eval_pages: Annotated[int, typer.Option(help="Held-out pages decoded per candidate.")] = 16,
+    candidates: Annotated[int, typer.Option(help="Frontier points evaluated besides BF16/FP8/NVFP4.")] = 4,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Compute dtype of the simulation (fp32 on CPU).")] = "fp32",
+):
+    """Choose a format per layer group: the fastest plan whose parsing quality on held-out
+    pages stays within the tolerance, with the Pareto frontier and evidence in a report."""
+    from .search import run_search
+
+    rep = run_search(calib, pages, out, target, batch, max_ned_increase, policy, latency_table, eval_pages,
+                     candidates, device, dtype, console=err_console)
+    console.print(f"[bold]{rep['chosen']}[/]: {rep['verdict']}")
+    for c in rep["candidates"]:
+        console.print(f"  {c['label']:<26} {c['target']}  {c['predicted_ms']:.4f} ms  NED {c['ned']:.4f}  "
+                      f"ΔNED {c['ned_increase'][0]:+.4f} (≤{c['ned_increase'][2]:+.4f})")
+    console.print(f"wrote {out}/plan.json, report.md, report.json, pareto.png")
+
+
 @app.command("eval")
 @_friendly
 def eval_(

@@ -25,8 +25,8 @@ output depends on them (the lm_head and the last MLP are not alike).
 Validation (scripts/validate_sensitivity.py; results in scripts/results/): on the bundled
 model, the estimate from 32 calibration pages ranks the 99 (group, kind) pairs — 33 groups ×
 FP8 W8A8 / NVFP4 W4A16 / NVFP4 W4A4 — against the KL measured on 12 held-out pages
-(2,235 target tokens) with each group alone quantized at Spearman 0.904 (FP8 0.78,
-W4A16 0.92, W4A4 0.87). It underestimates the W4A4 damage of the attention output and
+(2,235 target tokens) with each group alone quantized at Spearman 0.901 (FP8 0.78,
+W4A16 0.92, W4A4 0.86). It underestimates the W4A4 damage of the attention output and
 down projections most (activation outliers the diagonal Fisher cannot see across tokens).
 
 The artifact is a directory: meta.json (fingerprint of model files, pages and settings),

@@ -255,7 +255,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
     absmax = {k[: -len(".act_absmax")]: v.max() for k, v in stats.items() if k.endswith(".act_absmax")}
 
     plans: list[Candidate] = []
-    for label, fmt, tgt in (("BF16", "bf16", target), ("all-FP8", "fp8", target),
+    for label, fmt, tgt in (("BF16", "bf16", target), ("all-FP8 (W8A8, both targets)", "fp8", target),
                             ("all-NVFP4 (h200: W4A16)", "nvfp4", "h200"), ("all-NVFP4 (b200: W4A4)", "nvfp4", "b200")):
         plan = uniform_plan(allowed, fmt)
         plans.append(Candidate(label, tgt, plan, *total(plan, tgt)))

@@ -184,3 +184,30 @@ def test_quantization_error_is_bounded():
     assert e8.max() < 2 ** -4  # E4M3: 3 mantissa bits, half an ulp of the row max at most
     e4 = (nvfp4.fake_quant_weight(w) - w).norm() / w.norm()
     assert 0.05 < e4 < 0.15  # 16-element E2M1 blocks: ~10% RMS error on Gaussian weights
+
+
+def test_simulation_is_exact_reversible_and_leaves_tied_embeddings_alone(tiny_model_dir):
+    from ocriaquant.model import discover_groups, load_model
+    from ocriaquant.quant.simulate import simulate
+
+    model, _ = load_model(tiny_model_dir, dtype="bf16")
+    groups = {g.name: g for g in discover_groups(model)}
+    embed = model.get_input_embeddings().weight
+    assert model.lm_head.weight is embed  # tied, as in Qwen3.5-4B
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    up = groups["layers.0.mlp_up"]
+    units = [(up.members, "w4a16"), (["lm_head"], "fp8"), (groups["layers.3.attn_qkv"].members, "w4a4")]
+    with simulate(model, units):
+        gate, upm = (model.get_submodule(m) for m in up.members)
+        gs = nvfp4.global_scale(before[up.members[0] + ".weight"], before[up.members[1] + ".weight"])
+        assert torch.equal(gate.weight, nvfp4.fake_quant_weight(before[up.members[0] + ".weight"], gs))
+        assert torch.equal(model.lm_head.weight, fp8.fake_quant_weight(before["model.language_model.embed_tokens.weight"]))
+        assert torch.equal(model.get_input_embeddings().weight, before["model.language_model.embed_tokens.weight"])
+        x = torch.randn(1, 3, model.lm_head.in_features, dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(fp8.fake_quant_activation(x), model.lm_head.weight)
+        assert torch.equal(model.lm_head(x), ref)  # the pre-hook quantizes activations per token
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    x = torch.randn(1, 3, model.lm_head.in_features, dtype=torch.bfloat16)
+    assert torch.equal(model.lm_head(x), torch.nn.functional.linear(x, before["model.language_model.embed_tokens.weight"]))

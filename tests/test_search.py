@@ -98,7 +98,8 @@ def test_search_end_to_end_is_deterministic(tiny_model_dir, synth_pages, tmp_pat
     assert plan["target"] == "h200" and plan["groups"]["vision"] == "bf16"
     assert all(f == "bf16" for g, f in plan["groups"].items() if g.endswith("gdn_ab"))
     labels = [c["label"] for c in rep["candidates"]]
-    assert labels[:4] == ["BF16", "all-FP8", "all-NVFP4 (h200: W4A16)", "all-NVFP4 (b200: W4A4)"]
+    assert labels[:4] == ["BF16", "all-FP8 (W8A8, both targets)", "all-NVFP4 (h200: W4A16)",
+                          "all-NVFP4 (b200: W4A4)"]
     assert rep["frontier_points"] >= 5 and len(rep["candidates"]) >= 5
     md = (tmp_path / "s1" / "report.md").read_text()
     assert "Pareto frontier" in md and "Chosen plan per layer group" in md

@@ -5,8 +5,10 @@ Kinds of simulation (what a Linear becomes):
   w4a16  NVFP4 weights, BF16 activations (h200: no FP4 tensor cores, Marlin-style)
   w4a4   NVFP4 weights and NVFP4 activations, static input global scale (b200)
 
-Weights are replaced by their dequantized values (bit-exact with the exported checkpoint);
-activation quantization is a forward pre-hook. `restore()` puts the original weights back.
+Each quantized Linear gets a new weight Parameter holding its dequantized values (bit-exact
+with the exported checkpoint); the original Parameter object is set aside, not modified, so
+a tied lm_head never drags the input embeddings along. Activation quantization is a
+forward pre-hook. `restore()` puts the original Parameters back.
 """
 
 from __future__ import annotations
@@ -56,13 +58,12 @@ def quantize_input(x: torch.Tensor, kind: str, input_gscale: torch.Tensor | None
 @dataclass
 class Simulation:
     model: nn.Module
-    saved: dict[str, torch.Tensor] = field(default_factory=dict)
+    saved: dict[str, nn.Parameter] = field(default_factory=dict)
     hooks: list = field(default_factory=list)
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for name, w in self.saved.items():
-                self.model.get_submodule(name).weight.copy_(w)
+        for name, w in self.saved.items():
+            self.model.get_submodule(name).weight = w
         for h in self.hooks:
             h.remove()
         self.saved.clear()
@@ -89,8 +90,9 @@ def simulate(model: nn.Module, units: list[tuple[list[str], str]],
             mods = [model.get_submodule(m) for m in members]
             gscale = nvfp4.global_scale(*(m.weight for m in mods)) if kind != "fp8" else None
             for name, mod in zip(members, mods):
-                sim.saved[name] = mod.weight.detach().clone()
-                mod.weight.copy_(quantized_weight(mod.weight, kind, gscale, name))
+                sim.saved[name] = mod.weight
+                mod.weight = nn.Parameter(quantized_weight(mod.weight.detach(), kind, gscale, name),
+                                          requires_grad=False)
                 if kind in ("fp8", "w4a4"):
                     in_gs = None
                     if kind == "w4a4" and input_absmax is not None and name in input_absmax:

@@ -57,8 +57,8 @@ from .model import discover_groups, load_model
 from .model.generate import greedy_decode
 from .model.load import resolve_model_dir
 from .model.processor import chat_text
-from .quant.simulate import KINDS, TARGETS, kind_for, quantize_input, quantized_weight
-from .quant import nvfp4
+from .quant import fp8, nvfp4
+from .quant.simulate import KINDS, TARGETS, kind_for, quantize_input
 
 VERSION = 1
 FORMATS_Q = ("fp8", "nvfp4")
@@ -115,7 +115,10 @@ class _Collector:
         self.acc = acc
         self.mask: torch.Tensor | None = None  # [B, T] tokens that count (not padding)
         self.hooks = []
-        self.qweights: dict[tuple[str, str], torch.Tensor] = {}
+        # Quantized weights kept compact (E4M3 / packed E2M1 + scales, ~1.6 bytes a parameter for
+        # both) and dequantized per batch: holding dequantized copies of every Linear in two
+        # formats would cost 2x the model's memory.
+        self.qweights: dict[tuple[str, str], tuple] = {}
         for g in groups:
             if g.always_bf16:
                 continue
@@ -123,12 +126,8 @@ class _Collector:
             gs = nvfp4.global_scale(*(m.weight for m in mods))
             for name, mod in zip(g.members, mods):
                 w = mod.weight.detach()
-                for kind in KINDS:
-                    # w4a16 and w4a4 share the NVFP4 weight
-                    if kind == "w4a4":
-                        self.qweights[(name, kind)] = self.qweights[(name, "w4a16")]
-                    else:
-                        self.qweights[(name, kind)] = quantized_weight(w, kind, gs, name)
+                self.qweights[(name, "fp8")] = fp8.quantize_weight(w, name)
+                self.qweights[(name, "nvfp4")] = nvfp4.quantize_weight(w, gs, name)
                 k, o = mod.in_features, mod.out_features
                 for key, shape in ((".absmax", (k,)), (".sqsum", (k,)), (".fisher", (o,)), (".count", ())):
                     acc.setdefault(name + key, torch.zeros(shape, dtype=torch.float64))
@@ -156,10 +155,12 @@ class _Collector:
             def grad_hook(g, x=x, y=y, m=m):
                 g2 = (g.detach().double() ** 2)[m]
                 acc[name + ".fisher"] += g2.sum(0).cpu()
+                w_fp8 = fp8.dequantize(*self.qweights[(name, "fp8")], x.dtype)
+                w_fp4 = nvfp4.dequantize(*self.qweights[(name, "nvfp4")], x.dtype)
                 for kind in KINDS:
                     gs = nvfp4.global_scale_from_absmax(in_absmax) if kind == "w4a4" else None
                     xq = quantize_input(x, kind, gs)
-                    dy = (F.linear(xq, self.qweights[(name, kind)].to(x.dtype)) - y)[m].double()
+                    dy = (F.linear(xq, w_fp8 if kind == "fp8" else w_fp4) - y)[m].double()
                     acc[f"{name}.sens.{kind}"] += 0.5 * (g2 * dy * dy).sum().cpu()
 
             output.register_hook(grad_hook)

@@ -17,7 +17,7 @@ import torch
 
 from ocriaquant.calibrate import calibrate
 from ocriaquant.data.synth import SynthStyle, write_pages
-from ocriaquant.model.configs import qwen35_4b_config
+from ocriaquant.model.configs import SHAPES
 from ocriaquant.model.processor import PageProcessor, build_byte_tokenizer, build_image_processor, save_processor
 
 
@@ -28,30 +28,44 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_calibrate"))
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shape", default="qwen3.5-4b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16")
     args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
     from transformers import Qwen3_5ForConditionalGeneration
 
     side = int(math.sqrt(args.megapixels * 1e6) // 32 * 32)
     model_dir, pages_dir = args.work / "model", args.work / "pages"
     t = time.time()
-    with torch.device("cuda"):
+    tok = build_byte_tokenizer()
+    config = SHAPES[args.shape]()
+    # The real shapes carry Qwen's 248k-vocab special ids; point them at the byte tokenizer's.
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>", "<|im_end|>")}
+    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    config.text_config.eos_token_id, config.text_config.pad_token_id = ids["<|im_end|>"], 0
+    with torch.device(args.device):
         torch.manual_seed(0)
-        model = Qwen3_5ForConditionalGeneration(qwen35_4b_config()).to(torch.bfloat16)
+        model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(model_dir)
     del model
-    tok = build_byte_tokenizer()
     save_processor(PageProcessor(image_processor=build_image_processor(max_pixels=side * side + 1),
                                  tokenizer=tok, video_processor=None, chat_template=tok.chat_template), model_dir)
     write_pages(pages_dir, args.pages, seed=7, style=SynthStyle(width=side, height=side, font_size=40,
                                                                 heading_size=56, subheading_size=48, margin=64))
     setup_s = time.time() - t
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t = time.time()
     res = calibrate(model_dir, pages_dir, args.work / "calib", max_pages=args.pages, batch_size=args.batch_size,
-                    device="cuda", dtype="bf16", split="all")
-    torch.cuda.synchronize()
-    result = {"gpu": torch.cuda.get_device_name(), "pages": res.pages, "page_px": [side, side],
-              "calibrate_s": round(time.time() - t, 1), "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
+                    device=args.device, dtype=args.dtype, split="all")
+    if cuda:
+        torch.cuda.synchronize()
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": args.shape, "pages": res.pages,
+              "page_px": [side, side], "calibrate_s": round(time.time() - t, 1),
+              "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1) if cuda else None,
               "setup_s": round(setup_s, 1), "batch_size": args.batch_size, "torch": torch.__version__}
     print(json.dumps(result, indent=1))
     if args.out:

@@ -58,10 +58,11 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value (saturating at ±6), ties to even, sign kept (-0.1 -> -0.0)."""
     mag = x.abs().clamp(max=FP4_MAX)
     mids = _MIDPOINTS.to(x.device, x.dtype)
-    # Index = number of midpoints strictly below, plus those equal where rounding goes up (odd side).
-    idx = (mag.unsqueeze(-1) > mids).sum(-1)
-    ties_up = torch.tensor([False, True, False, True, False, True, False], device=x.device)
-    idx = idx + ((mag.unsqueeze(-1) == mids) & ties_up).sum(-1)
+    # bucketize (right=False) puts a value equal to a midpoint in the lower bucket; the ties
+    # at 0.75, 1.75 and 3.5 (midpoints 1, 3, 5) round up to the even neighbour instead.
+    idx = torch.bucketize(mag, mids)
+    tie = mag == mids[idx.clamp(max=mids.numel() - 1)]
+    idx = idx + (tie & (idx % 2 == 1))
     vals = E2M1_VALUES.to(x.device, x.dtype)[idx]
     return torch.where(torch.signbit(x), -vals, vals)
 
@@ -85,7 +86,7 @@ def pack(values: torch.Tensor) -> torch.Tensor:
     if values.shape[-1] % 2:
         raise ValueError(f"NVFP4 packing needs an even last dim, got {values.shape[-1]}")
     mag = values.abs().float()
-    idx = (mag.unsqueeze(-1) == E2M1_VALUES.to(mag.device)).to(torch.uint8).argmax(-1).to(torch.uint8)
+    idx = torch.bucketize(mag, E2M1_VALUES.to(mag.device)).to(torch.uint8)  # exact grid values -> their index
     nib = idx | (torch.signbit(values).to(torch.uint8) << 3)
     nib = nib.unflatten(-1, (values.shape[-1] // 2, 2))
     return nib[..., 0] | (nib[..., 1] << 4)

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ocriaquant.data import load_pages
+from ocriaquant.errors import OcriaError
+from ocriaquant.export import build_recipe, calibration_dataset, collate_one, retie_global_scales
+from ocriaquant.model import discover_groups, load_model
+from ocriaquant.quant import fp8, nvfp4
+
+PLAN = {"layers.0.gdn_in": "nvfp4", "layers.0.mlp_up": "nvfp4", "layers.3.attn_qkv": "fp8",
+        "layers.1.mlp_down": "fp8", "lm_head": "bf16"}
+
+
+def test_recipe_has_exact_names_and_ignore_list(tiny_model_dir):
+    model, _ = load_model(tiny_model_dir)
+    groups = discover_groups(model)
+    recipe = build_recipe(PLAN, groups)
+    cg = recipe.config_groups
+    by = {g.name: g for g in groups}
+    assert sorted(cg["nvfp4"].targets) == sorted(by["layers.0.gdn_in"].members + by["layers.0.mlp_up"].members)
+    assert sorted(cg["fp8"].targets) == sorted(by["layers.3.attn_qkv"].members + by["layers.1.mlp_down"].members)
+    assert cg["nvfp4"].weights.group_size == 16 and cg["fp8"].input_activations.dynamic
+    quantized = set(cg["nvfp4"].targets) | set(cg["fp8"].targets)
+    every = {m for g in groups for m in g.members}
+    assert set(recipe.ignore) == every - quantized
+    assert set(by["vision"].members) <= set(recipe.ignore) and "lm_head" in recipe.ignore
+    with pytest.raises(OcriaError, match="unknown layer groups: layers.99.mlp_up"):
+        build_recipe({"layers.99.mlp_up": "fp8"}, groups)
+    with pytest.raises(OcriaError, match="always stay BF16"):
+        build_recipe({"layers.0.gdn_ab": "fp8"}, groups)
+    with pytest.raises(OcriaError, match="unknown format 'int4'"):
+        build_recipe({"layers.0.mlp_up": "int4"}, groups)
+
+
+def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model_dir, synth_pages, tmp_path):
+    from llmcompressor import oneshot
+
+    model, proc = load_model(tiny_model_dir)
+    groups = discover_groups(model)
+    original = {m: model.get_submodule(m).weight.detach().clone() for g in groups for m in g.members}
+    pages = load_pages(synth_pages).pages[:2]
+    oneshot(model=model, recipe=build_recipe(PLAN, groups), dataset=calibration_dataset(proc, pages),
+            data_collator=collate_one, num_calibration_samples=2, sequential_targets=["Qwen3_5DecoderLayer"],
+            processor=proc)
+    assert retie_global_scales(model, PLAN, groups) >= 1  # llmcompressor leaves the GDN pair untied
+    model.save_pretrained(tmp_path / "ckpt", save_compressed=True)
+
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "mixed-precision" and len(cfg["config_groups"]) == 2
+    by = {g.name: g for g in groups}
+    targets = {grp["weights"]["num_bits"]: sorted(grp["targets"]) for grp in cfg["config_groups"].values()}
+    assert targets[4] == sorted(by["layers.0.gdn_in"].members + by["layers.0.mlp_up"].members)
+    assert targets[8] == sorted(by["layers.3.attn_qkv"].members + by["layers.1.mlp_down"].members)
+    assert set(by["vision"].members) <= set(cfg["ignore"])
+    sd = {}
+    for f in (tmp_path / "ckpt").glob("*.safetensors"):
+        sd.update(load_file(str(f)))
+    for unit in ("layers.0.gdn_in", "layers.0.mlp_up"):
+        members = by[unit].members
+        gs = nvfp4.global_scale(*(original[m] for m in members))
+        for m in members:
+            assert torch.equal(sd[m + ".weight_global_scale"].float(), gs), m
+            packed, scales, _ = nvfp4.quantize_weight(original[m], gs)
+            assert torch.equal(sd[m + ".weight_packed"], packed), m
+            assert torch.equal(sd[m + ".weight_scale"].view(torch.uint8), scales.view(torch.uint8)), m
+    for m in by["layers.3.attn_qkv"].members + by["layers.1.mlp_down"].members:
+        q, s = fp8.quantize_weight(original[m])
+        assert torch.equal(sd[m + ".weight"].view(torch.uint8), q.view(torch.uint8)), m
+        assert torch.equal(sd[m + ".weight_scale"], s), m
+    # Unquantized Linears are stored as they were.
+    vis = by["vision"].members[0]
+    assert torch.equal(sd[vis + ".weight"], original[vis])

@@ -148,6 +148,30 @@ def search(
     console.print(f"wrote {out}/plan.json, report.md, report.json, pareto.png")
 
 
+@app.command()
+@_friendly
+def export(
+    plan: Annotated[Path, typer.Argument(help="plan.json from `ocriaquant search`.")] = Path("ocriaquant-out/search/plan.json"),
+    out: Annotated[Path, typer.Option(help="Checkpoint directory to create.")] = Path("ocriaquant-out/checkpoint"),
+    model: Annotated[Optional[Path], typer.Option(help="Model directory (default: the one the plan was "
+                                                  "calibrated on; its fingerprint must match).")] = None,
+    pages: Annotated[Optional[Path], typer.Option(help="Pages for llmcompressor's observers (calibration split; "
+                                                  "default: bundled calib_data/).")] = None,
+    max_pages: Annotated[int, typer.Option(help="Calibration pages fed to oneshot.")] = 16,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out (only once the new "
+                                        "checkpoint is complete).")] = False,
+):
+    """Write the plan as a compressed-tensors checkpoint (llmcompressor oneshot, mixed precision,
+    one NVFP4 global scale per fused unit) with the processor files, recipe.yaml and ocriaquant.json.
+
+    Written to a temporary directory and renamed at the end: a failure leaves no partial --out.
+    """
+    from .export import export as run
+
+    path = run(plan, out, model, pages, force, max_pages, err_console)
+    console.print(f"wrote {path}")
+
+
 @app.command("eval")
 @_friendly
 def eval_(

@@ -93,3 +93,76 @@ def collate_one(batch):
     out = {k: torch.tensor(row[k]) for k in ("input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw")}
     out["pixel_values"] = torch.tensor(row["pixel_values"], dtype=torch.bfloat16)
     return out
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("ocriaquant", "torch", "transformers", "llmcompressor", "compressed-tensors"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def export(plan_path, out, model=None, pages=None, force: bool = False, max_pages: int = 16, console=None):
+    """Write the plan's compressed-tensors checkpoint to `out`, atomically.
+
+    Everything is written to a hidden sibling directory first and renamed into place at the
+    end, so a failure midway leaves no partial `out` (and an existing `out` with --force is
+    only replaced once the new checkpoint is complete)."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    import yaml
+
+    from .calibrate import model_fingerprint
+    from .data import BUNDLED_PAGES, load_pages, select_split
+    from .model import discover_groups, load_model
+    from .model.processor import save_processor
+
+    plan_path, out = Path(plan_path), Path(out)
+    try:
+        plan_doc = json.loads(plan_path.read_text())
+        plan = plan_doc["groups"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise OcriaError(f"{plan_path}: not a plan written by `ocriaquant search` ({e})") from e
+    if out.exists() and not force:
+        raise OcriaError(f"{out}: already exists; choose another --out or pass --force to replace it")
+    model_dir = Path(model or plan_doc.get("model_dir") or "")
+    expected = (plan_doc.get("calibration") or {}).get("fingerprint")
+    if expected and model_fingerprint(model_dir) != expected:
+        raise OcriaError(f"{model_dir}: does not match the model the plan was calibrated on "
+                         f"(fingerprint {expected}); export the model you calibrated, or calibrate again")
+
+    from llmcompressor import oneshot
+
+    net, proc = load_model(model_dir, dtype="bf16")
+    groups = discover_groups(net)
+    recipe = build_recipe(plan, groups)  # validates the plan before any work
+    calib_pages = select_split(load_pages(Path(pages) if pages else BUNDLED_PAGES).pages, "calibration")[:max_pages]
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        oneshot(model=net, recipe=recipe, dataset=calibration_dataset(proc, calib_pages), data_collator=collate_one,
+                num_calibration_samples=len(calib_pages), sequential_targets=["Qwen3_5DecoderLayer"], processor=proc)
+        retied = retie_global_scales(net, plan, groups)
+        net.save_pretrained(tmp, save_compressed=True)
+        save_processor(proc, tmp)
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True)))
+        (tmp / "ocriaquant.json").write_text(json.dumps({
+            "plan": plan_doc, "calibration_fingerprint": expected, "retied_fused_units": retied,
+            "calibration_pages": [p.name for p in calib_pages], "versions": _versions()}, indent=1))
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

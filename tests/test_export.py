@@ -73,3 +73,58 @@ def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model
     # Unquantized Linears are stored as they were.
     vis = by["vision"].members[0]
     assert torch.equal(sd[vis + ".weight"], original[vis])
+
+
+def _plan_file(tmp_path, model_dir, groups=None):
+    from ocriaquant.calibrate import model_fingerprint
+
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps({"target": "h200", "groups": groups or PLAN, "model_dir": str(model_dir),
+                             "calibration": {"fingerprint": model_fingerprint(model_dir)}}))
+    return p
+
+
+def test_export_writes_a_checkpoint_atomically_and_refuses_to_overwrite(tiny_model_dir, synth_pages, tmp_path,
+                                                                         monkeypatch):
+    from ocriaquant import export as ex
+
+    plan = _plan_file(tmp_path, tiny_model_dir)
+    out = ex.export(plan, tmp_path / "ckpt", pages=synth_pages, max_pages=2)
+    names = {f.name for f in out.iterdir()}
+    assert {"config.json", "recipe.yaml", "ocriaquant.json", "tokenizer.json", "preprocessor_config.json"} <= names
+    meta = json.loads((out / "ocriaquant.json").read_text())
+    assert meta["retied_fused_units"] >= 1 and meta["versions"]["llmcompressor"]
+    with pytest.raises(OcriaError, match="already exists.*--force"):
+        ex.export(plan, out, pages=synth_pages, max_pages=2)
+
+    # A failure midway leaves neither a partial checkpoint nor a temporary directory behind,
+    # and with --force the old checkpoint survives until the new one is complete.
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("ocriaquant.model.processor.save_processor", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ex.export(plan, tmp_path / "new", pages=synth_pages, max_pages=2)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ex.export(plan, out, pages=synth_pages, max_pages=2, force=True)
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert json.loads((out / "ocriaquant.json").read_text()) == meta
+
+
+def test_export_rejects_bad_plans_and_other_models(tiny_model_dir, synth_pages, tmp_path):
+    from ocriaquant.export import export
+
+    bad = _plan_file(tmp_path, tiny_model_dir, {"layers.42.mlp_up": "fp8"})
+    with pytest.raises(OcriaError, match="layers.42.mlp_up"):
+        export(bad, tmp_path / "x", pages=synth_pages)
+    plan = _plan_file(tmp_path, tiny_model_dir)
+    doc = json.loads(plan.read_text())
+    doc["calibration"]["fingerprint"] = "0" * 32
+    plan.write_text(json.dumps(doc))
+    with pytest.raises(OcriaError, match="does not match the model"):
+        export(plan, tmp_path / "x", pages=synth_pages)
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(OcriaError, match="not a plan"):
+        export(tmp_path / "junk.json", tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -200,6 +200,13 @@ def teacher_forcing_batch(processor, pages: list[Page], targets: list[str], devi
     return {k: v.to(device) for k, v in inputs.items()}, mask.to(device), tpos.to(device)
 
 
+def target_logits(net, inputs: dict, tpos: torch.Tensor) -> torch.Tensor:
+    """Logits predicting each target token of a teacher-forcing batch: position p - 1 predicts
+    token p, so the 248k-wide head runs on target positions only."""
+    hidden = net.model(**inputs).last_hidden_state
+    return net.lm_head(hidden[tpos[:, 0], tpos[:, 1] - 1])
+
+
 def calibrate(model: str | Path | None = None, pages: str | Path | None = None, out: str | Path | None = None,
               max_pages: int | None = 32, batch_size: int = 4, device: str = "cpu", dtype: str = "fp32",
               split: str = "calibration", skip_bad: bool = False, console: Console | None = None,
@@ -273,9 +280,7 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
                 chunk, tchunk = chosen[start: start + batch_size], targets[start: start + batch_size]
                 inputs, mask, tpos = teacher_forcing_batch(proc, chunk, tchunk, device)
                 col.mask = mask
-                hidden = net.model(**inputs).last_hidden_state
-                # Position p predicts token p: logits from p - 1.
-                logits = net.lm_head(hidden[tpos[:, 0], tpos[:, 1] - 1])
+                logits = target_logits(net, inputs, tpos)
                 loss = F.cross_entropy(logits.float(), inputs["input_ids"][tpos[:, 0], tpos[:, 1]], reduction="sum")
                 loss.backward()
                 acc["_target_tokens"] += float(tpos.shape[0])
@@ -334,6 +339,12 @@ def _write_artifact(out: Path, acc, groups, fingerprint, model_dir: Path, pages_
         os.replace(out, old)
     os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def input_absmax(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per Linear, the largest |input| seen in calibration: the static W4A4 input global scale."""
+    suffix = ".act_absmax"
+    return {k[: -len(suffix)]: v.max() for k, v in stats.items() if k.endswith(suffix)}
 
 
 def load_calibration(path: str | Path) -> tuple[dict, dict, dict[str, torch.Tensor]]:

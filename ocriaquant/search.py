@@ -216,7 +216,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
                max_new_tokens: int | None = None, console=None) -> dict:
     from rich.console import Console
 
-    from .calibrate import calibrate, load_calibration, model_fingerprint
+    from .calibrate import calibrate, input_absmax, load_calibration, model_fingerprint
     from .data import load_pages, select_split
     from .eval import ned, paired_bootstrap
     from .model import discover_groups, load_model
@@ -252,7 +252,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
         raise OcriaError(f"{pages_dir}: no held-out pages with ground truth to evaluate candidates on")
     tok = proc.tokenizer
     max_new = max_new_tokens or int(max(len(tok(p.reference)["input_ids"]) for p in held) * 1.25) + 16
-    absmax = {k[: -len(".act_absmax")]: v.max() for k, v in stats.items() if k.endswith(".act_absmax")}
+    absmax = input_absmax(stats)
 
     plans: list[Candidate] = []
     for label, fmt, tgt in (("BF16", "bf16", target), ("all-FP8 (W8A8, both targets)", "fp8", target),

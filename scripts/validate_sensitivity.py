@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ocriaquant.calibrate import load_calibration, teacher_forcing_batch
+from ocriaquant.calibrate import input_absmax, load_calibration, target_logits, teacher_forcing_batch
 from ocriaquant.data import BUNDLED_PAGES, load_pages, select_split
 from ocriaquant.model import discover_groups, load_model
 from ocriaquant.quant.simulate import simulate
@@ -41,8 +41,7 @@ def target_logprobs(model, proc, pages, batch_size):
     for i in range(0, len(pages), batch_size):
         chunk = pages[i: i + batch_size]
         inputs, _, tpos = teacher_forcing_batch(proc, chunk, [p.reference for p in chunk], "cpu")
-        hidden = model.model(**inputs).last_hidden_state
-        out.append(F.log_softmax(model.lm_head(hidden[tpos[:, 0], tpos[:, 1] - 1]).float(), -1))
+        out.append(F.log_softmax(target_logits(model, inputs, tpos).float(), -1))
     return torch.cat(out)
 
 
@@ -60,7 +59,7 @@ def main():
     model, proc = load_model(args.model, dtype="fp32")
     groups = [g for g in discover_groups(model) if not g.always_bf16]
     pages = [p for p in select_split(load_pages(args.pages_dir).pages, "heldout") if p.has_reference][: args.pages]
-    absmax = {k[: -len(".act_absmax")]: v.max() for k, v in stats.items() if k.endswith(".act_absmax")}
+    absmax = input_absmax(stats)
     t0 = time.time()
     base = target_logprobs(model, proc, pages, args.batch_size)
     rows = []

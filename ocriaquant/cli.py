@@ -134,13 +134,15 @@ def search(
     candidates: Annotated[int, typer.Option(help="Frontier points evaluated besides BF16/FP8/NVFP4.")] = 4,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="Compute dtype of the simulation (fp32 on CPU).")] = "fp32",
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (default: 1.25x "
+                                                          "the longest reference).")] = None,
 ):
     """Choose a format per layer group: the fastest plan whose parsing quality on held-out
     pages stays within the tolerance, with the Pareto frontier and evidence in a report."""
     from .search import run_search
 
     rep = run_search(calib, pages, out, target, batch, max_ned_increase, policy, latency_table, eval_pages,
-                     candidates, device, dtype, console=err_console)
+                     candidates, device, dtype, max_new_tokens=max_new_tokens, console=err_console)
     console.print(f"[bold]{rep['chosen']}[/]: {rep['verdict']}")
     for c in rep["candidates"]:
         console.print(f"  {c['label']:<26} {c['target']}  {c['predicted_ms']:.4f} ms  NED {c['ned']:.4f}  "
@@ -160,16 +162,66 @@ def export(
     max_pages: Annotated[int, typer.Option(help="Calibration pages fed to oneshot.")] = 16,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out (only once the new "
                                         "checkpoint is complete).")] = False,
+    verify_pages: Annotated[int, typer.Option(help="Held-out pages on which the reloaded checkpoint is compared "
+                                              "token for token with search's simulation (0: skip).")] = 16,
 ):
     """Write the plan as a compressed-tensors checkpoint (llmcompressor oneshot, mixed precision,
     one NVFP4 global scale per fused unit) with the processor files, recipe.yaml and ocriaquant.json.
 
     Written to a temporary directory and renamed at the end: a failure leaves no partial --out.
+    Tensors transformers does not load (mtp.*) are carried over untouched. Then the checkpoint
+    is reloaded with transformers and checked against search's simulation of the plan.
     """
     from .export import export as run
 
-    path = run(plan, out, model, pages, force, max_pages, err_console)
+    path = run(plan, out, model, pages, force, max_pages, err_console, verify_pages)
     console.print(f"wrote {path}")
+
+
+@app.command()
+@_friendly
+def quantize(
+    model: Annotated[Optional[Path], typer.Argument(help="Local Qwen3.5 model directory (default: bundled model).")] = None,
+    pages: Annotated[Optional[Path], typer.Option(help="Your pages (default: bundled calib_data/): the calibration "
+                                                  "split calibrates, the held-out split judges.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for calib/, search/ and checkpoint/.")] = Path("ocriaquant-out"),
+    target: Annotated[str, typer.Option(help="h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4).")] = "h200",
+    batch: Annotated[int, typer.Option(help="Serving batch the step time is predicted for.")] = 1,
+    max_ned_increase: Annotated[float, typer.Option(help="Tolerated NED increase over BF16 (95% upper bound).")] = 0.01,
+    policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
+    latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from scripts/bench_kernels.py.")] = None,
+    calib_pages: Annotated[int, typer.Option(help="Calibration pages.")] = 32,
+    eval_pages: Annotated[int, typer.Option(help="Held-out pages decoded per search candidate.")] = 16,
+    verify_pages: Annotated[int, typer.Option(help="Held-out pages for the checkpoint's reload check (0: skip).")] = 16,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT/checkpoint.")] = False,
+):
+    """Calibrate, search and export in one go: the fastest checkpoint whose quality on your
+    held-out pages stays within the tolerance.
+
+    Each step's artifact stays in OUT (calib/, search/, checkpoint/); a rerun reuses an
+    unchanged calibration. If no quantized plan stays within the tolerance, BF16 is kept and
+    nothing is exported.
+
+    Examples:\n
+      ocriaquant quantize\n
+      ocriaquant quantize ~/models/OCRia-1 --pages ~/my-pages --target b200 --max-ned-increase 0.02
+    """
+    from .quantize import quantize as run
+
+    res = run(model, pages, out, target, batch, max_ned_increase, policy, latency_table, calib_pages, eval_pages,
+              4, 16, verify_pages, device, force, err_console)
+    console.print(f"[bold]{res.report['chosen']}[/]: {res.report['verdict']}")
+    times = ", ".join(f"{k} {v:.0f}s" for k, v in res.seconds.items())
+    if res.checkpoint is None:
+        console.print(f"kept BF16; nothing exported ({times}). Report: {res.out}/search/report.md")
+        return
+    meta = json.loads((res.checkpoint / "ocriaquant.json").read_text())
+    v = meta.get("verification")
+    if v:
+        console.print(f"reload check: {v['identical_pages']}/{v['pages']} held-out pages token-identical "
+                      "with search's simulation")
+    console.print(f"wrote {res.checkpoint} ({times}); report: {res.out}/search/report.md")
 
 
 @app.command("eval")

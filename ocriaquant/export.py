@@ -1,8 +1,11 @@
 """`ocriaquant export`: plan -> llmcompressor recipe -> compressed-tensors checkpoint.
 
 The recipe has one config group per format with the exact module names of the plan's
-groups (FP8_DYNAMIC and NVFP4 presets) and ignores every other Linear by exact name (the
-vision tower, gdn_ab, BF16 groups). llmcompressor ties the NVFP4 global scale of q/k/v and
+groups and ignores every other Linear by exact name (the vision tower, gdn_ab, BF16 groups).
+FP8 is the FP8_DYNAMIC preset (W8A8). NVFP4 follows the plan's target: `b200` gets the NVFP4
+preset (W4A4, static input global scale), `h200` the NVFP4A16 preset (weight-only), because
+that is what the plan was judged with and what a Hopper GPU runs (vLLM runs NVFP4 weight-only
+on Hopper, and transformers would otherwise emulate W4A4 on reload and disagree with search). llmcompressor ties the NVFP4 global scale of q/k/v and
 gate/up but not of the GDN pair in_proj_qkv + in_proj_z, which vLLM fuses at load and would
 then run with the larger of two scales; `retie_global_scales` gives every fused unit one
 global scale and recomputes its block scales in our (compressed-tensors-exact) numerics
@@ -18,7 +21,10 @@ from .model.groups import LayerGroup
 from .quant import nvfp4
 
 
-def build_recipe(plan: dict[str, str], groups: list[LayerGroup]):
+NVFP4_PRESET = {"h200": "NVFP4A16", "b200": "NVFP4"}
+
+
+def build_recipe(plan: dict[str, str], groups: list[LayerGroup], target: str):
     from compressed_tensors.quantization import preset_name_to_scheme
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
@@ -39,7 +45,9 @@ def build_recipe(plan: dict[str, str], groups: list[LayerGroup]):
     quantized = set(members["fp8"]) | set(members["nvfp4"])
     if not quantized:
         raise OcriaError("plan quantizes no group: an all-BF16 plan needs no export")
-    preset = {"fp8": "FP8_DYNAMIC", "nvfp4": "NVFP4"}
+    if target not in NVFP4_PRESET:
+        raise OcriaError(f"plan names the unknown target {target!r}; targets are {', '.join(NVFP4_PRESET)}")
+    preset = {"fp8": "FP8_DYNAMIC", "nvfp4": NVFP4_PRESET[target]}
     config_groups = {fmt: preset_name_to_scheme(preset[fmt], names) for fmt, names in members.items() if names}
     ignore = [m for g in groups for m in g.members if m not in quantized]
     return QuantizationModifier(config_groups=config_groups, ignore=ignore)
@@ -107,56 +115,167 @@ def _versions() -> dict:
     return out
 
 
-def export(plan_path, out, model=None, pages=None, force: bool = False, max_pages: int = 16, console=None):
-    """Write the plan's compressed-tensors checkpoint to `out`, atomically.
+def set_input_global_scales(model, plan: dict[str, str], groups: list[LayerGroup],
+                            absmax: dict[str, torch.Tensor]) -> int:
+    """W4A4 (b200): the static input global scale of every NVFP4 member from the calibration's
+    input absmax, the value search simulated with (llmcompressor's observer saw only the export's
+    few pages). Members of a fused unit read the same input, so they get the same scale."""
+    n = 0
+    for g in groups:
+        if plan.get(g.name) != "nvfp4":
+            continue
+        for m in g.members:
+            mod = model.get_submodule(m)
+            if m in absmax and hasattr(mod, "input_global_scale"):
+                gs = nvfp4.global_scale_from_absmax(absmax[m].to(mod.weight.dtype))
+                mod.input_global_scale.data.copy_(gs.reshape(mod.input_global_scale.shape))
+                n += 1
+    return n
+
+
+def carry_unloaded_tensors(src: "Path", dst: "Path", prefixes: tuple[str, ...] = ("mtp.",)) -> int:
+    """Copy tensors transformers does not load (Qwen3.5's multi-token-prediction head `mtp.*`)
+    from the source checkpoint into `dst` untouched, as their own shard listed in the index
+    (serving engines that speculate with MTP read them from there)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    carried: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            meta = fh.metadata() or {}
+            for k in fh.keys():
+                if k.startswith(prefixes):
+                    carried[k] = fh.get_tensor(k)
+    if not carried:
+        return 0
+    shard = "model-extra-mtp.safetensors"
+    save_file(carried, str(dst / shard), metadata={"format": meta.get("format", "pt")})
+    index_path = dst / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:  # one-file checkpoint: an index makes loaders see both files
+        with safe_open(str(dst / "model.safetensors"), "pt") as fh:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fh.keys()}}
+    index["weight_map"].update({k: shard for k in carried})
+    index.setdefault("metadata", {})["total_size"] = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    index_path.write_text(json.dumps(index, indent=2))
+    return len(carried)
+
+
+def verify(ckpt, model_dir, plan: dict[str, str], target: str, absmax: dict[str, torch.Tensor] | None, pages,
+           max_new_tokens: int | None = None, console=None) -> dict:
+    """Decode `pages` with the written checkpoint reloaded by transformers (a loader we did not
+    write) and with search's simulation of the same plan on the BF16 model, both in BF16;
+    count the pages whose greedy tokens are identical."""
+    from .eval import ned
+    from .model import discover_groups, load_model
+    from .model.generate import greedy_decode
+    from .quant.simulate import kind_for, simulate
+
+    pages = list(pages)
+    q, proc = load_model(ckpt, dtype="bf16")
+    tok = proc.tokenizer
+    max_new = max_new_tokens or int(max(len(tok(p.reference or "x")["input_ids"]) for p in pages) * 1.25) + 16
+
+    def ids(texts):
+        return [tok(t)["input_ids"] for t in texts]
+
+    got = greedy_decode(q, proc, pages, max_new_tokens=max_new)
+    del q
+    net, _ = load_model(model_dir, dtype="bf16")
+    groups = {g.name: g for g in discover_groups(net)}
+    units = [(groups[g].members, kind_for(f, target)) for g, f in plan.items() if f != "bf16"]
+    with simulate(net, units, absmax):
+        want = greedy_decode(net, proc, pages, max_new_tokens=max_new)
+    same = [a == b for a, b in zip(ids(got), ids(want))]
+    res = {"pages": len(pages), "identical_pages": int(sum(same)), "agreement": float(sum(same) / len(pages)),
+           "dtype": "bf16", "target": target, "compared_with": "ocriaquant simulation of the plan (search)",
+           "differing_pages": [p.name for p, s in zip(pages, same) if not s]}
+    refs = [p for p in pages if p.reference]
+    if refs:
+        res["ned_checkpoint"] = float(sum(ned(g, p.reference) for g, p in zip(got, pages) if p.reference) / len(refs))
+    return res
+
+
+def export(plan_path, out, model=None, pages=None, force: bool = False, max_pages: int = 16, console=None,
+           verify_pages: int = 16):
+    """Write the plan's compressed-tensors checkpoint to `out`, atomically, then verify it.
 
     Everything is written to a hidden sibling directory first and renamed into place at the
     end, so a failure midway leaves no partial `out` (and an existing `out` with --force is
-    only replaced once the new checkpoint is complete)."""
+    only replaced once the new checkpoint is complete). With `verify_pages` > 0 the checkpoint
+    is reloaded with transformers and compared token for token with search's simulation on
+    that many held-out pages; the agreement goes into ocriaquant.json."""
     import json
     import os
     import shutil
+    import time
     from pathlib import Path
 
     import yaml
+    from rich.console import Console
 
-    from .calibrate import model_fingerprint
+    from .calibrate import input_absmax, load_calibration, model_fingerprint
     from .data import BUNDLED_PAGES, load_pages, select_split
     from .model import discover_groups, load_model
     from .model.processor import save_processor
 
+    console = console or Console(stderr=True)
     plan_path, out = Path(plan_path), Path(out)
     try:
         plan_doc = json.loads(plan_path.read_text())
         plan = plan_doc["groups"]
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise OcriaError(f"{plan_path}: not a plan written by `ocriaquant search` ({e})") from e
+    target = plan_doc.get("target", "h200")
     if out.exists() and not force:
         raise OcriaError(f"{out}: already exists; choose another --out or pass --force to replace it")
     model_dir = Path(model or plan_doc.get("model_dir") or "")
-    expected = (plan_doc.get("calibration") or {}).get("fingerprint")
+    calib = plan_doc.get("calibration") or {}
+    expected = calib.get("fingerprint")
     if expected and model_fingerprint(model_dir) != expected:
         raise OcriaError(f"{model_dir}: does not match the model the plan was calibrated on "
                          f"(fingerprint {expected}); export the model you calibrated, or calibrate again")
+    absmax = None
+    if calib.get("path") and (Path(calib["path"]) / "meta.json").exists():
+        absmax = input_absmax(load_calibration(calib["path"])[2])
 
     from llmcompressor import oneshot
 
+    t0 = time.time()
     net, proc = load_model(model_dir, dtype="bf16")
     groups = discover_groups(net)
-    recipe = build_recipe(plan, groups)  # validates the plan before any work
-    calib_pages = select_split(load_pages(Path(pages) if pages else BUNDLED_PAGES).pages, "calibration")[:max_pages]
+    recipe = build_recipe(plan, groups, target)  # validates the plan before any work
+    all_pages = load_pages(Path(pages) if pages else BUNDLED_PAGES).pages
+    calib_pages = select_split(all_pages, "calibration")[:max_pages]
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         oneshot(model=net, recipe=recipe, dataset=calibration_dataset(proc, calib_pages), data_collator=collate_one,
                 num_calibration_samples=len(calib_pages), sequential_targets=["Qwen3_5DecoderLayer"], processor=proc)
         retied = retie_global_scales(net, plan, groups)
+        in_scales = set_input_global_scales(net, plan, groups, absmax) if absmax and target == "b200" else 0
         net.save_pretrained(tmp, save_compressed=True)
+        del net
+        carried = carry_unloaded_tensors(model_dir, tmp)
         save_processor(proc, tmp)
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True)))
-        (tmp / "ocriaquant.json").write_text(json.dumps({
-            "plan": plan_doc, "calibration_fingerprint": expected, "retied_fused_units": retied,
-            "calibration_pages": [p.name for p in calib_pages], "versions": _versions()}, indent=1))
+        meta = {"plan": plan_doc, "target": target, "calibration_fingerprint": expected,
+                "retied_fused_units": retied, "input_global_scales_from_calibration": in_scales,
+                "carried_tensors": carried, "calibration_pages": [p.name for p in calib_pages],
+                "export_seconds": round(time.time() - t0, 1), "versions": _versions()}
+        if verify_pages:
+            held = [p for p in select_split(all_pages, "heldout") if p.has_reference][:verify_pages]
+            if held:
+                console.print(f"verifying: transformers reload vs search's simulation on {len(held)} held-out pages")
+                meta["verification"] = verify(tmp, model_dir, plan, target, absmax, held, console=console)
+                v = meta["verification"]
+                console.print(f"verification: {v['identical_pages']}/{v['pages']} pages token-identical "
+                              f"({v['agreement']:.0%})")
+        (tmp / "ocriaquant.json").write_text(json.dumps(meta, indent=1))
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         if out.exists():
             os.replace(out, old)

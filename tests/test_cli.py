@@ -37,3 +37,15 @@ def test_info_errors_are_one_line_with_exit_2(tmp_path):
 def test_help_teaches():
     res = runner.invoke(app, ["info", "--help"], terminal_width=200)
     assert res.exit_code == 0 and "meta device" in res.output and "Examples" in res.output
+
+
+def test_quantize_refuses_an_existing_checkpoint_before_any_work(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "keep.txt").write_text("mine")
+    res = runner.invoke(app, ["quantize", "--out", str(tmp_path)])
+    assert res.exit_code == 2
+    assert "already exists" in res.output and "--force" in res.output
+    assert not (tmp_path / "calib").exists()  # failed before calibrating
+    assert (tmp_path / "checkpoint" / "keep.txt").read_text() == "mine"
+    res = runner.invoke(app, ["quantize", "--help"], terminal_width=200)
+    assert res.exit_code == 0 and "--max-ned-increase" in res.output and "calib/" in res.output

@@ -17,7 +17,7 @@ PLAN = {"layers.0.gdn_in": "nvfp4", "layers.0.mlp_up": "nvfp4", "layers.3.attn_q
 def test_recipe_has_exact_names_and_ignore_list(tiny_model_dir):
     model, _ = load_model(tiny_model_dir)
     groups = discover_groups(model)
-    recipe = build_recipe(PLAN, groups)
+    recipe = build_recipe(PLAN, groups, "b200")
     cg = recipe.config_groups
     by = {g.name: g for g in groups}
     assert sorted(cg["nvfp4"].targets) == sorted(by["layers.0.gdn_in"].members + by["layers.0.mlp_up"].members)
@@ -28,11 +28,17 @@ def test_recipe_has_exact_names_and_ignore_list(tiny_model_dir):
     assert set(recipe.ignore) == every - quantized
     assert set(by["vision"].members) <= set(recipe.ignore) and "lm_head" in recipe.ignore
     with pytest.raises(OcriaError, match="unknown layer groups: layers.99.mlp_up"):
-        build_recipe({"layers.99.mlp_up": "fp8"}, groups)
+        build_recipe({"layers.99.mlp_up": "fp8"}, groups, "h200")
     with pytest.raises(OcriaError, match="always stay BF16"):
-        build_recipe({"layers.0.gdn_ab": "fp8"}, groups)
+        build_recipe({"layers.0.gdn_ab": "fp8"}, groups, "h200")
     with pytest.raises(OcriaError, match="unknown format 'int4'"):
-        build_recipe({"layers.0.mlp_up": "int4"}, groups)
+        build_recipe({"layers.0.mlp_up": "int4"}, groups, "h200")
+    with pytest.raises(OcriaError, match="unknown target 'a100'"):
+        build_recipe(PLAN, groups, "a100")
+    # h200 plans are judged weight-only (W4A16) and exported so; b200 keeps the W4A4 activations.
+    h200 = build_recipe(PLAN, groups, "h200").config_groups
+    assert h200["nvfp4"].input_activations is None and cg["nvfp4"].input_activations is not None
+    assert h200["fp8"].input_activations.dynamic
 
 
 def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model_dir, synth_pages, tmp_path):
@@ -42,7 +48,7 @@ def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model
     groups = discover_groups(model)
     original = {m: model.get_submodule(m).weight.detach().clone() for g in groups for m in g.members}
     pages = load_pages(synth_pages).pages[:2]
-    oneshot(model=model, recipe=build_recipe(PLAN, groups), dataset=calibration_dataset(proc, pages),
+    oneshot(model=model, recipe=build_recipe(PLAN, groups, "b200"), dataset=calibration_dataset(proc, pages),
             data_collator=collate_one, num_calibration_samples=2, sequential_targets=["Qwen3_5DecoderLayer"],
             processor=proc)
     assert retie_global_scales(model, PLAN, groups) >= 1  # llmcompressor leaves the GDN pair untied
@@ -75,11 +81,11 @@ def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model
     assert torch.equal(sd[vis + ".weight"], original[vis])
 
 
-def _plan_file(tmp_path, model_dir, groups=None):
+def _plan_file(tmp_path, model_dir, groups=None, target="h200"):
     from ocriaquant.calibrate import model_fingerprint
 
     p = tmp_path / "plan.json"
-    p.write_text(json.dumps({"target": "h200", "groups": groups or PLAN, "model_dir": str(model_dir),
+    p.write_text(json.dumps({"target": target, "groups": groups or PLAN, "model_dir": str(model_dir),
                              "calibration": {"fingerprint": model_fingerprint(model_dir)}}))
     return p
 
@@ -89,7 +95,7 @@ def test_export_writes_a_checkpoint_atomically_and_refuses_to_overwrite(tiny_mod
     from ocriaquant import export as ex
 
     plan = _plan_file(tmp_path, tiny_model_dir)
-    out = ex.export(plan, tmp_path / "ckpt", pages=synth_pages, max_pages=2)
+    out = ex.export(plan, tmp_path / "ckpt", pages=synth_pages, max_pages=2, verify_pages=0)
     names = {f.name for f in out.iterdir()}
     assert {"config.json", "recipe.yaml", "ocriaquant.json", "tokenizer.json", "preprocessor_config.json"} <= names
     meta = json.loads((out / "ocriaquant.json").read_text())
@@ -128,3 +134,35 @@ def test_export_rejects_bad_plans_and_other_models(tiny_model_dir, synth_pages, 
     with pytest.raises(OcriaError, match="not a plan"):
         export(tmp_path / "junk.json", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_export_carries_mtp_and_reloads_token_identical_to_the_simulation(tiny_model_dir, synth_pages, tmp_path):
+    """A real Qwen3.5 checkpoint holds `mtp.*` tensors transformers does not load: they must
+    survive export byte for byte. And transformers' reload of the checkpoint must decode the
+    same tokens as search's simulation of the plan (the check export records)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from ocriaquant.export import export
+
+    src = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, src)
+    torch.manual_seed(3)
+    mtp = {"mtp.fc.weight": torch.randn(64, 128, dtype=torch.bfloat16),
+           "mtp.norm.weight": torch.randn(64, dtype=torch.bfloat16)}
+    save_file(mtp, str(src / "mtp.safetensors"), metadata={"format": "pt"})
+    plan = _plan_file(tmp_path, src)
+    out = export(plan, tmp_path / "ckpt", pages=synth_pages, max_pages=2, verify_pages=3)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for k, v in mtp.items():
+        assert torch.equal(load_file(str(out / index[k]))[k], v)
+    assert any(f != index["mtp.fc.weight"] for f in index.values())  # the model's own weights are indexed too
+    meta = json.loads((out / "ocriaquant.json").read_text())
+    assert meta["carried_tensors"] == 2
+    v = meta["verification"]
+    assert v["pages"] == 3 and v["agreement"] == 1.0, v
+    # transformers still loads the checkpoint through the index
+    model, _ = load_model(out)
+    scheme = model.get_submodule("model.language_model.layers.0.mlp.gate_proj").quantization_scheme
+    assert scheme.weights.num_bits == 4 and scheme.input_activations is None  # h200: weight-only

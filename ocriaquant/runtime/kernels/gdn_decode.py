@@ -1,0 +1,148 @@
+"""One decode step of a Gated DeltaNet layer for a batch of slots, in one launch.
+
+Between in_proj_* and out_proj, everything Qwen3.5's GDN does for one token: the causal
+conv1d (kernel 4) state update and SiLU, the split into q / k / v, q and k L2-normalized (q
+also scaled by K^-1/2), the gates g = -exp(A_log)·softplus(a + dt_bias) and β = sigmoid(b),
+the delta-rule update of the fp32 recurrent state S [slots, HV, V, K] in place
+
+    S ← S·exp(g);  δ = β·(v − S k);  S ← S + δ kᵀ;  o = S q
+
+and the gated RMSNorm  o/rms(o) · w · silu(z). transformers does this in ~10 launches of glue
+around fla-core's recurrent kernel; here the state is read and written once and nothing else
+goes to memory.
+
+One program per (batch row, key head): it owns the HV/H value heads that share the key head
+(GVA), so the conv channels of q, k and its v heads are updated by exactly one program and no
+other program can read a half-updated conv state. A row whose slot index is negative is a
+padding row (CUDA-graph buckets): it touches no state and writes zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: tl.constexpr, KWP: tl.constexpr):
+    """Causal conv over [state (KW-1 taps), x] for channels `chan`, SiLU; shifts the state."""
+    j = tl.arange(0, KWP)
+    valid = (j[None, :] * 0 + slot_raw) >= 0  # a block, not a scalar: the interpreter rejects scalar masks
+    x = tl.load(qkv_ptr + chan, mask=n_ok, other=0.0).to(tl.float32)
+    st_mask = n_ok[:, None] & (j[None, :] < KW - 1) & valid
+    st = tl.load(cs_ptr + chan[:, None] * cs_stride_c + j[None, :], mask=st_mask, other=0.0).to(tl.float32)
+    win = tl.where(j[None, :] == KW - 1, x[:, None], st)
+    w = tl.load(cw_ptr + chan[:, None] * KW + j[None, :], mask=n_ok[:, None] & (j[None, :] < KW), other=0.0)
+    y = tl.sum(win * w.to(tl.float32), 1)
+    # New state = window shifted left by one: tap j (1..KW-1) goes to position j-1.
+    new_mask = n_ok[:, None] & (j[None, :] >= 1) & (j[None, :] < KW) & valid
+    tl.store(cs_ptr + chan[:, None] * cs_stride_c + (j[None, :] - 1), win.to(cs_ptr.dtype.element_ty), mask=new_mask)
+    return y / (1.0 + tl.exp(-y))
+
+
+@triton.jit
+def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, s_ptr, slot_ptr,
+                       out_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c, s_stride_slot,
+                       stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    G: tl.constexpr = HV // H
+    slot_raw = tl.load(slot_ptr + bi)
+    slot = tl.maximum(slot_raw, 0).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = tl.arange(0, BV)
+    k_ok = rk < K
+    v_ok = rv < V
+    qkv = qkv_ptr + bi * stride_qkv
+    cs = cs_ptr + slot * cs_stride_slot
+    q = _conv_silu(qkv, cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
+    k = _conv_silu(qkv, cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    nw = tl.load(nw_ptr + rv, mask=v_ok, other=0.0).to(tl.float32)
+    valid_k = (rk * 0 + slot_raw) >= 0
+    valid_v = (rv * 0 + slot_raw) >= 0
+    for i in tl.static_range(G):
+        hv = h * G + i
+        v = _conv_silu(qkv, cs, cw_ptr, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, KW, KWP)
+        a = tl.load(a_ptr + bi * stride_ab + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus
+        bb = tl.load(b_ptr + bi * stride_ab + hv).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-bb))
+        sp = s_ptr + slot * s_stride_slot + hv * V * K + rv[:, None] * K + rk[None, :]
+        smask = v_ok[:, None] & (k_ok & valid_k)[None, :]
+        S = tl.load(sp, mask=smask, other=0.0) * tl.exp(g)
+        delta = (v - tl.sum(S * k[None, :], 1)) * beta
+        S = S + delta[:, None] * k[None, :]
+        tl.store(sp, S, mask=smask)
+        o = tl.sum(S * q[None, :], 1)
+        o = o * tl.rsqrt(tl.sum(o * o, 0) / V + eps)
+        z = tl.load(z_ptr + bi * stride_z + hv * V + rv, mask=v_ok, other=0.0).to(tl.float32)
+        o = o * nw * (z / (1.0 + tl.exp(-z)))
+        o = tl.where(valid_v, o, 0.0)
+        tl.store(out_ptr + bi * stride_out + hv * V + rv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
+               num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, out=None, num_warps: int = 8):
+    """qkv [B, 2·H·K + HV·V] (in_proj_qkv output), z [B, HV·V], a, b [B, HV]; conv_state
+    [slots, C, KW-1], conv_weight [C, KW]; A_log, dt_bias [HV]; norm_weight [V]; state fp32
+    [slots, HV, V, K]; slots int32 [B] (negative: padding row). Updates conv_state and state
+    in place; returns the gated-normed output [B, HV·V] (bf16 unless `out` says otherwise)."""
+    bsz = qkv.shape[0]
+    hv = A_log.shape[0]
+    H, K, V = num_k_heads, head_k_dim, head_v_dim
+    kw = conv_weight.shape[-1]
+    conv_weight = conv_weight.reshape(conv_weight.shape[0], kw)
+    if state.dtype != torch.float32 or tuple(state.shape[1:]) != (hv, V, K) or not state.is_contiguous():
+        raise ValueError(f"gdn_decode: state must be contiguous fp32 [slots, {hv}, {V}, {K}], got "
+                         f"{state.dtype} {tuple(state.shape)}")
+    if qkv.shape[1] != 2 * H * K + hv * V or conv_state.shape[1:] != (qkv.shape[1], kw - 1):
+        raise ValueError(f"gdn_decode: qkv {tuple(qkv.shape)} / conv_state {tuple(conv_state.shape)} do not match "
+                         f"H={H}, K={K}, HV={hv}, V={V}, kernel {kw}")
+    if conv_state.stride(2) != 1 or a.stride(1) != 1 or b.stride() != a.stride():
+        raise ValueError("gdn_decode: conv_state's last dim and a/b rows must be contiguous (same strides)")
+    out = torch.empty(bsz, hv * V, dtype=qkv.dtype, device=qkv.device) if out is None else out
+    _gdn_decode_kernel[(bsz, H)](
+        qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out,
+        qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
+        out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
+        BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), num_warps=num_warps)
+    return out
+
+
+def gdn_decode_ref(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
+                   num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, dtype=torch.float64):
+    """Plain torch, the same step written the way transformers writes it (state as [V, K] per
+    head), in `dtype`. Returns (out, new conv_state, new state) without touching the inputs."""
+    H, K, V = num_k_heads, head_k_dim, head_v_dim
+    hv = A_log.shape[0]
+    kw = conv_weight.shape[-1]
+    cw = conv_weight.reshape(-1, kw).to(dtype)
+    conv_state, state = conv_state.clone(), state.clone()
+    out = torch.zeros(qkv.shape[0], hv * V, dtype=dtype, device=qkv.device)
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        win = torch.cat([conv_state[s].to(dtype), qkv[i].to(dtype)[:, None]], dim=1)  # [C, KW]
+        conv_state[s] = win[:, 1:].to(conv_state.dtype)
+        x = F.silu((win * cw).sum(1))
+        q, k, v = x.split([H * K, H * K, hv * V])
+        q, k, v = q.view(H, K), k.view(H, K), v.view(hv, V)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / K**0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = q.repeat_interleave(hv // H, 0), k.repeat_interleave(hv // H, 0)
+        g = -A_log.to(dtype).exp() * F.softplus(a[i].to(dtype) + dt_bias.to(dtype))
+        beta = torch.sigmoid(b[i].to(dtype))
+        S = state[s].to(dtype) * g.exp()[:, None, None]                        # [HV, V, K]
+        delta = (v - torch.einsum("hvk,hk->hv", S, k)) * beta[:, None]
+        S = S + delta[:, :, None] * k[:, None, :]
+        state[s] = S.to(state.dtype)
+        o = torch.einsum("hvk,hk->hv", S, q)
+        o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + eps) * norm_weight.to(dtype)
+        out[i] = (o * F.silu(z[i].to(dtype).view(hv, V))).flatten()
+    return out, conv_state, state

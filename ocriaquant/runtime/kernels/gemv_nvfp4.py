@@ -1,0 +1,108 @@
+"""NVFP4 W4A16 weight-streaming GEMV for decode on Hopper (no FP4 tensor cores): the packed
+E2M1 weights and their E4M3 block scales are read once and dequantized in registers to
+exactly the BF16 values the simulation and compressed-tensors' decompression give, then
+multiplied with the BF16 activations on the tensor cores (M padded to 16).
+
+Layouts as export writes them (compressed-tensors `nvfp4-pack-quantized`): weight_packed
+uint8 [N, K/2] (even k in the low nibble), weight_scale E4M3 [N, K/16], weight_global_scale
+fp32 [1]; dequantized w = e2m1 · (scale / global).
+
+Decoding a nibble costs a few integer ops per weight, so it is done the cheap way: the three
+magnitude bits placed at bit 9 of an fp16 (exponent field = E2M1 exponent, top mantissa bit
+= E2M1 mantissa) are the E2M1 value times 2⁻¹⁴ — subnormal for 0 and ±0.5, exactly as E2M1
+itself — and the 2¹⁴ goes into the block scale (a power of two, so rounding is unchanged).
+
+Triton's interpreter (CI) computes tl.dot wrongly on BF16 values converted inside the kernel
+(a 16×16 product came out ~1e10), and its fp32 -> bf16 conversion truncates. Under
+TRITON_INTERPRET=1 the weights are therefore rounded with rounding.round_bf16 and multiplied
+in fp32 — the same values as the GPU's bf16 path, which bench_kernels.py checks at real shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import e4m3_value, round_bf16
+from .splitk import launch_plan, store_or_reduce
+
+
+@triton.jit
+def _e2m1_times_2m14(nib):
+    """int16 nibbles -> fp16 values = E2M1(nib) * 2**-14 (sign in bit 3)."""
+    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_sn, stride_ym, K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rkh = tl.arange(0, BK // 2)      # packed bytes of a K-tile
+    rks = tl.arange(0, BK // 16)     # block scales of a K-tile
+    rk = tl.arange(0, BK)
+    inv_gs = 16384.0 / tl.load(gs_ptr)  # 2**14 / global: see the module docstring
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    nmask = rn < N
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
+        kh = k0 // 2 + rkh
+        p = tl.load(w_ptr + rn[:, None] * stride_wn + kh[None, :], mask=nmask[:, None] & (kh[None, :] < K // 2),
+                    other=0, eviction_policy="evict_first").to(tl.int16)
+        ksb = k0 // 16 + rks
+        s_off = rn[:, None] * stride_sn + ksb[None, :]
+        s_mask = nmask[:, None] & (ksb[None, :] < K // 16)
+        if INTERPRET:  # integer decode: the interpreter's E4M3 conversion is unreliable (rounding.py)
+            s = e4m3_value(tl.load(sc_ptr + s_off, mask=s_mask, other=0).to(tl.int32))
+        else:
+            s = tl.load(sc8_ptr + s_off, mask=s_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        lo = _e2m1_times_2m14(p & 15)
+        hi = _e2m1_times_2m14((p >> 4) & 15)
+        w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16)).to(tl.float32)
+        w = tl.reshape(w * (s * inv_gs)[:, :, None], (BN, BK))
+        ks = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < K),
+                    other=0.0)
+        if INTERPRET:  # the interpreter mis-multiplies bf16 made in-kernel (see module docstring)
+            acc = tl.dot(x.to(tl.float32), tl.trans(round_bf16(w)), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
+
+
+def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
+               out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
+               split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
+    -> bf16 [M, N]."""
+    m, k = x.shape
+    n = w_packed.shape[0]
+    if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
+        raise ValueError(f"gemv_nvfp4: x has K={k} but the weight is packed {tuple(w_packed.shape)} "
+                         f"with scales {tuple(w_scale.shape)}")
+    if m > 64:
+        raise ValueError(f"gemv_nvfp4 is for decode (M <= 64), got M={m}; dequantize and use a GEMM above that")
+    if k % block_k:
+        block_k = 64 if k % 64 == 0 else 32
+    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
+    _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
+                                        out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
+                                        k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
+                                        num_stages=num_stages, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
+    return out
+
+
+def gemv_nvfp4_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                   w_global_scale: torch.Tensor) -> torch.Tensor:
+    """Plain torch, float64: x times the weight dequantized by quant.nvfp4 (the simulation's)."""
+    from ...quant import nvfp4
+
+    w = nvfp4.dequantize(w_packed, w_scale, w_global_scale, torch.bfloat16)
+    return x.double() @ w.double().T

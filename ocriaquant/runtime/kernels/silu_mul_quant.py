@@ -1,0 +1,118 @@
+"""Fused MLP activation for quantized down projections: silu(gate) · up, quantized in the same
+pass, so the [M, intermediate] BF16 product never goes to memory and back.
+
+- `fmt="fp8"` (h200 and b200 FP8 down_proj): E4M3 per token, scale = absmax / 448 — what
+  gemv_fp8 consumes.
+- `fmt="nvfp4"` (b200 W4A4 emulation): E2M1 packed two per byte with one E4M3 scale per 16
+  values under a static global scale — what a Blackwell NVFP4 GEMM consumes.
+
+Rounding follows compressed-tensors on BF16 activations (quant/): the product is rounded to
+BF16 as torch computes it, FP8 scales are computed in BF16, NVFP4 block scales as in
+quant.nvfp4.block_scales. One program per token row; the row is walked in chunks (the FP8
+absmax needs the whole row first, so FP8 walks it twice — the second time from L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .rounding import e4m3_bits, e4m3_value, round_bf16
+
+FP8_MAX = tl.constexpr(448.0)  # a constexpr: @jit code can read no other globals
+
+
+@triton.jit
+def _silu_mul(g_ptr, u_ptr, offs, mask):
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = round_bf16(g / (1.0 + tl.exp(-g)))  # F.silu in bf16
+    return round_bf16(s * u)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    r = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK):
+        m = k0 + r < I
+        h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
+        amax = tl.maximum(amax, tl.abs(h))
+    scale = round_bf16(tl.max(amax, 0) / FP8_MAX)
+    scale = tl.where(scale == 0.0, 0.0078125, scale)  # bf16 eps, as compressed-tensors
+    for k0 in range(0, I, BLOCK):
+        m = k0 + r < I
+        h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
+        v = round_bf16(h / scale)
+        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * I + k0 + r, e4m3_bits(v).to(tl.uint8), mask=m)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _silu_mul_nvfp4_kernel(g_ptr, u_ptr, p_ptr, sc_ptr, gs_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    gs = tl.load(gs_ptr)
+    r = tl.arange(0, BLOCK)
+    for k0 in range(0, I, BLOCK):
+        m = k0 + r < I
+        h = tl.reshape(_silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m), (BLOCK // 16, 16))
+        local = round_bf16(tl.max(tl.abs(h), 1) / 6.0)
+        sc_bits = e4m3_bits(tl.minimum(gs * local, FP8_MAX))
+        sc = e4m3_value(sc_bits)
+        sc_bits = tl.where(sc == 0.0, 0x20, sc_bits)  # 0.125, compressed-tensors' zero-scale eps
+        sc = tl.where(sc == 0.0, 0.125, sc)
+        v = h / (sc / gs)[:, None]
+        a = tl.abs(v)
+        idx = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+        nib = idx | ((v < 0).to(tl.int32) << 3)  # -0.0 packs as +0, as compressed-tensors' "+ 0.0"
+        lo, hi = tl.split(tl.reshape(nib, (BLOCK // 2, 2)))
+        rp = k0 // 2 + tl.arange(0, BLOCK // 2)
+        tl.store(p_ptr + row * (I // 2) + rp, (lo | (hi << 4)).to(tl.uint8), mask=rp < I // 2)
+        rs = k0 // 16 + tl.arange(0, BLOCK // 16)
+        tl.store(sc_ptr + row * (I // 16) + rs, sc_bits.to(tl.uint8), mask=rs < I // 16)
+
+
+def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
+                   input_global_scale: torch.Tensor | None = None, block: int = 2048):
+    """gate, up bf16 [M, I] (row stride free, e.g. halves of a fused gate_up output) ->
+    fp8: (E4M3 [M, I], fp32 scale [M, 1]); nvfp4: (uint8 [M, I/2], E4M3 scales [M, I/16])."""
+    m, i = gate.shape
+    if up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"silu_mul_quant: gate {tuple(gate.shape)} and up {tuple(up.shape)} must match, rows contiguous")
+    block = min(block, triton.next_power_of_2(i))
+    if fmt == "fp8":
+        q = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=gate.device)
+        s = torch.empty(m, 1, dtype=torch.float32, device=gate.device)
+        _silu_mul_fp8_kernel[(m,)](gate, up, q.view(torch.uint8), s, i, gate.stride(0), up.stride(0), BLOCK=block, num_warps=8)
+        return q, s
+    if fmt == "nvfp4":
+        if input_global_scale is None or i % 16:
+            raise ValueError("silu_mul_quant nvfp4 needs input_global_scale and I a multiple of 16")
+        p = torch.empty(m, i // 2, dtype=torch.uint8, device=gate.device)
+        sc = torch.empty(m, i // 16, dtype=torch.float8_e4m3fn, device=gate.device)
+        _silu_mul_nvfp4_kernel[(m,)](gate, up, p, sc.view(torch.uint8), input_global_scale.reshape(1).float(), i, gate.stride(0),
+                                     up.stride(0), BLOCK=block, num_warps=8)
+        return p, sc
+    raise ValueError(f"silu_mul_quant: unknown format {fmt!r}; fp8 or nvfp4")
+
+
+def silu_mul_quant_ref(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
+                       input_global_scale: torch.Tensor | None = None):
+    """The unfused torch sequence with quant/'s (compressed-tensors-exact) numerics."""
+    from ...quant import nvfp4
+    from ...quant.common import FP8_DTYPE, FP8_MAX as _MAX
+
+    h = F.silu(gate) * up
+    if fmt == "fp8":
+        scale = h.abs().amax(-1, keepdim=True) / torch.tensor(_MAX, dtype=h.dtype, device=h.device)
+        scale = torch.where(scale == 0, torch.finfo(h.dtype).eps, scale)
+        q = torch.clamp(h / scale + 0.0, -_MAX, _MAX).to(FP8_DTYPE)
+        return q, scale.float()
+    packed, scales, _ = nvfp4.quantize_weight(h, input_global_scale.reshape(1).float(), "activation")
+    return packed, scales

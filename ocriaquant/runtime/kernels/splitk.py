@@ -1,0 +1,81 @@
+"""Shared pieces of the weight-streaming GEMVs: launch geometry and the split-K epilogue.
+
+Decode GEMVs have a tiny M and a 2560-wide N on Qwen3.5-4B: N / 16 rows = 160 tiles, barely
+more than the H200's 132 SMs, so one tile per CTA leaves SMs idle for a second "wave". The K
+loop is therefore split across CTAs. Partial sums go to an fp32 workspace and the last CTA to
+finish a tile (an acq_rel ticket counter per tile) adds them up and writes the bf16 output:
+one launch, no memset (the last CTA resets its counter, so the buffers can live in a CUDA
+graph), no separate reduction kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: exercise the split-K path at small shapes
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def geometry(n: int, k: int, block_n: int, block_k: int, device: torch.device, split_k: int | None = None):
+    """(tiles along N, splits along K). Enough CTAs for ~4 per SM, never a split smaller than
+    4 K-blocks (the epilogue's extra traffic must stay small against the weight stream)."""
+    tiles = triton.cdiv(n, block_n)
+    if split_k is None:
+        want = max(1, (4 * sm_count(device)) // tiles)
+        split_k = max(1, min(want, k // (4 * block_k)))
+    return tiles, split_k
+
+
+def workspace(device: torch.device, split_k: int, m_pad: int, n: int, tiles: int):
+    """fp32 partials [split_k, m_pad, n] and int32 tickets [tiles] (zero, self-resetting)."""
+    key = (device, split_k, m_pad, n, tiles)  # tiles too: a smaller ticket array would be overrun
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (torch.empty(split_k, m_pad, n, dtype=torch.float32, device=device),
+                            torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _WORKSPACES[key]
+
+
+def launch_plan(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device,
+                split_k: int | None, out: torch.Tensor | None):
+    """Everything a GEMV launch needs besides its operands: (BM, grid, K per split, out,
+    workspace, tickets). M is padded to at least 16, the smallest tensor-core tile."""
+    bm = max(16, triton.next_power_of_2(m))
+    tiles, splits = geometry(n, k, block_n, block_k, device, split_k)
+    k_per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=device) if out is None else out
+    ws, tick = workspace(device, splits, bm, n, tiles)
+    return bm, (tiles, splits), k_per, out, ws, tick
+
+
+@triton.jit
+def store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym,
+                    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Write tile `acc` [BM, BN] (fp32) to y (bf16), summing the SPLIT_K partials if split."""
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        w_ptrs = ws_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(w_ptrs + pid_k * BM * N, acc, mask=mask)
+        # Every thread's partial is written (barrier) before the ticket releases it; the last
+        # ticket acquires everyone else's, and the barrier after keeps all reads behind it.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tick_ptr + pid_n, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(w_ptrs + s * BM * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(tick_ptr + pid_n, 0)

@@ -1,0 +1,159 @@
+"""Every Triton kernel against its reference on fresh random inputs. On the CPU this runs under
+TRITON_INTERPRET=1 at small shapes (the README's test command sets it); scripts/bench_kernels.py
+runs the same checks at Qwen3.5-4B shapes on the GPU."""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def poisoned(m, n, dtype=torch.bfloat16):
+    return torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+
+
+def fp8_codes_match(got, want):
+    """E4M3 codes equal. The interpreter flushes E4M3 subnormals differently from the GPU's
+    cvt (seen with Triton 3.x on the CPU), so there a subnormal may be one step off."""
+    g, w = got.float(), want.float()
+    if DEV == "cuda":
+        return torch.equal(g, w)
+    normal = w.abs() >= 2.0**-6
+    return torch.equal(g[normal], w[normal]) and bool(((g - w).abs() <= 2.0**-9 + 1e-12).all())
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (5, 40, 768, 1), (16, 32, 1024, 3), (33, 16, 256, 1)])
+def test_gemv_fp8(m, n, k, split):
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token
+
+    torch.manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    w_q, w_s = fp8.quantize_weight(w)
+    x_q, x_s = quant_fp8_per_token(x)
+    # Activation quantization equals quant/'s (compressed-tensors-exact) numerics.
+    s_ref = fp8._absmax_scale(x, dim=-1)
+    assert torch.equal(x_s, s_ref.float())
+    assert fp8_codes_match(x_q, torch.clamp(x / s_ref + 0.0, -448, 448).to(torch.float8_e4m3fn))
+    for _ in range(2):  # the split-K tickets reset themselves: a second call is right too
+        out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(m, n), split_k=split)
+        assert torch.isfinite(out).all()
+        assert rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
+    with pytest.raises(ValueError, match="M <= 64"):
+        gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (7, 32, 768, 2), (20, 16, 1024, 1)])
+def test_gemv_nvfp4(m, n, k, split):
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
+
+    torch.manual_seed(m * 1000 + n + 1)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    w[0, :16] = 0  # a zero block (scale 0.125 in compressed-tensors)
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    for _ in range(2):
+        out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(m, n), split_k=split)
+        assert torch.isfinite(out).all()
+        assert rel(out, gemv_nvfp4_ref(x, packed, scales, gs)) <= 1e-2
+    # The dequantized weight in the kernel is exactly quant.nvfp4's: with one-hot activations the
+    # output rows are the weight columns.
+    eye = torch.eye(16, k, dtype=torch.bfloat16, device=DEV)
+    cols = gemv_nvfp4(eye, packed, scales, gs, split_k=1)
+    assert torch.equal(cols, nvfp4.dequantize(packed, scales, gs)[:, :16].T.contiguous())
+
+
+@pytest.mark.parametrize("m,i", [(1, 320), (6, 2048 + 64), (9, 96)])
+def test_silu_mul_quant(m, i):
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.kernels import silu_mul_quant, silu_mul_quant_ref
+
+    torch.manual_seed(m + i)
+    gu = torch.randn(m, 2 * i, dtype=torch.bfloat16, device=DEV) * 2
+    gate, up = gu[:, :i], gu[:, i:]  # halves of a fused gate_up output: strided rows
+    gate[0, : i // 2] = 0  # zeros and a half-zero row
+    q, s = silu_mul_quant(gate, up, "fp8", block=256)
+    q_ref, s_ref = silu_mul_quant_ref(gate, up, "fp8")
+    assert torch.equal(s, s_ref)
+    assert fp8_codes_match(q, q_ref)
+    exact = (gate.double().sigmoid() * gate.double() * up.double())
+    assert rel(q.double() * s.double(), exact) <= 4e-2  # fp8 rounding, against float64
+
+    gs = nvfp4.global_scale_from_absmax(exact.abs().max().to(torch.bfloat16))
+    p, sc = silu_mul_quant(gate, up, "nvfp4", input_global_scale=gs, block=256)
+    p_ref, sc_ref = silu_mul_quant_ref(gate, up, "nvfp4", input_global_scale=gs)
+    assert torch.equal(sc.view(torch.uint8), sc_ref.view(torch.uint8))
+    assert torch.equal(p, p_ref)
+
+
+def _gdn_inputs(bsz, slots, H, HV, K, V, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEV)
+
+    C = 2 * H * K + HV * V
+    return dict(qkv=r(bsz, C), z=r(bsz, HV * V), a=r(bsz, HV), b=r(bsz, HV),
+                conv_state=r(slots, C, 3), conv_weight=r(C, 4, scale=0.5),
+                A_log=r(HV, scale=0.5, dtype=torch.float32), dt_bias=r(HV, dtype=torch.float32),
+                norm_weight=r(V, scale=0.3) + 1, state=r(slots, HV, V, K, scale=0.2, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("H,HV,K,V", [(2, 4, 32, 32), (1, 1, 16, 64)])
+def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V):
+    from ocriaquant.runtime.kernels import gdn_decode, gdn_decode_ref
+
+    inp = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
+    slots = torch.tensor([4, 0, -1, 2], dtype=torch.int32, device=DEV)  # row 2 is padding
+    out_ref, cs_ref, st_ref = gdn_decode_ref(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V)
+    cs0, st0 = inp["conv_state"].clone(), inp["state"].clone()
+    out = gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V,
+                     out=poisoned(4, HV * V, torch.float32))
+    assert rel(out, out_ref) <= 1e-3
+    assert rel(inp["state"], st_ref) <= 1e-3
+    assert torch.equal(inp["conv_state"], cs_ref)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    for s in (1, 3, 5):  # slots no row points at are untouched
+        assert torch.equal(inp["state"][s], st0[s]) and torch.equal(inp["conv_state"][s], cs0[s])
+
+
+def test_gdn_decode_two_steps_equal_transformers_recurrence():
+    """Two decode steps through our kernel equal transformers' own torch recurrence
+    (torch_recurrent_gated_delta_rule, state [B, HV, K, V]) fed the same q/k/v: the state
+    layout [V, K] is not transposed."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    from ocriaquant.runtime.kernels import gdn_decode
+
+    H, HV, K, V = 1, 2, 16, 32
+    inp = _gdn_inputs(1, 1, H, HV, K, V, seed=7)
+    inp["conv_weight"] = torch.zeros_like(inp["conv_weight"])
+    inp["conv_weight"][:, -1] = 1  # conv = identity tap, so q/k/v = silu(qkv)
+    state_tf = inp["state"].transpose(-1, -2).contiguous()  # transformers keeps [.., K, V]
+    slots = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for step in range(2):
+        qkv = inp["qkv"].float() if step == 0 else torch.randn_like(inp["qkv"].float()).to(torch.bfloat16).float()
+        inp["qkv"] = qkv.to(torch.bfloat16)
+        x = torch.nn.functional.silu(inp["qkv"].float())
+        q, k, v = x.split([H * K, H * K, HV * V], -1)
+        q = q.view(1, 1, H, K).repeat_interleave(HV // H, 2)
+        k = k.view(1, 1, H, K).repeat_interleave(HV // H, 2)
+        g = -inp["A_log"].exp() * torch.nn.functional.softplus(inp["a"].float() + inp["dt_bias"])
+        o_tf, state_tf = torch_recurrent_gated_delta_rule(q, k, v.view(1, 1, HV, V), g.view(1, 1, HV),
+                                                          inp["b"].float().sigmoid().view(1, 1, HV), state_tf,
+                                                          True, use_qk_l2norm_in_kernel=True)
+        gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V,
+                   out=torch.empty(1, HV * V, device=DEV))
+        assert rel(inp["state"], state_tf.transpose(-1, -2)) <= 1e-4

@@ -114,5 +114,5 @@ def test_bundled_model_reads_a_heldout_page():
     text = greedy_decode(model, proc, [page], max_new_tokens=48)[0]
     prefix = page.reference[: len(text)]
     assert text.startswith("# ")
-    # An untrained model scores ~1.0 here; the trained one gets most characters right.
-    assert ned(text, prefix) < 0.5, (text, prefix)
+    # An untrained model scores ~1.0 here; the trained one (held-out NED 0.0015) reads it.
+    assert ned(text, prefix) < 0.05, (text, prefix)

@@ -224,6 +224,37 @@ def quantize(
     console.print(f"wrote {res.checkpoint} ({times}); report: {res.out}/search/report.md")
 
 
+@app.command()
+@_friendly
+def parse(
+    checkpoint: Annotated[Optional[Path], typer.Argument(help="Checkpoint from `ocriaquant export` or a BF16 "
+                                                         "Qwen3.5 model directory (default: bundled model).")] = None,
+    pages: Annotated[Optional[Path], typer.Argument(help="Folder of pages or PDFs (default: bundled calib_data/).")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for NAME.md per page and summary.json.")] = Path("ocriaquant-out/parsed"),
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    max_batch: Annotated[int, typer.Option(help="Pages decoded together (continuous batching).")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest markdown, in tokens.")] = 1024,
+    redo: Annotated[bool, typer.Option("--redo", help="Parse again pages whose NAME.md already exists.")] = False,
+):
+    """Parse pages to markdown with ocriaquant's own runtime (torch backend).
+
+    Unreadable pages are reported in summary.json and skipped; the others complete. Files are
+    written atomically; a rerun skips pages already parsed (--redo to parse them again).
+
+    Examples:\n
+      ocriaquant parse ocriaquant-out/checkpoint ~/scans --out parsed/\n
+      ocriaquant parse --device cuda --max-batch 32 ckpt/ pages/
+    """
+    from .data import BUNDLED_PAGES
+    from .parse import parse as run
+
+    s = run(checkpoint, pages or BUNDLED_PAGES, out, device, max_new_tokens, max_batch, redo, err_console)
+    console.print(f"parsed {s['parsed']} of {s['pages']} pages ({s['already_done']} already done) in "
+                  f"{s['seconds']:.1f}s, {s['tokens']} tokens ({s['tokens_per_s']} tok/s) -> {out}")
+    for f in s["failed"]:
+        console.print(f"[yellow]skipped[/] {f['path']}: {f['error']}")
+
+
 @app.command("eval")
 @_friendly
 def eval_(

@@ -1,0 +1,82 @@
+"""The engine: page requests in, markdown out. Prefills each admitted request into its slot,
+then decodes all running sequences together one token a step (continuous batching: finished
+sequences leave and waiting ones join between steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from ..data.page import Page
+from ..model.load import resolve_model_dir
+from ..model.processor import chat_text, load_processor
+from .model_runner import RuntimeModel
+from .scheduler import Scheduler, Sequence
+
+
+@dataclass
+class Result:
+    rid: int
+    text: str
+    tokens: list[int]
+
+
+class Engine:
+    def __init__(self, checkpoint, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
+                 backend: str = "torch"):
+        if backend != "torch":
+            raise ValueError(f"backend {backend!r} is not available yet; use 'torch'")
+        self.model = RuntimeModel(checkpoint, device=device, max_slots=max_slots, max_len=max_len)
+        self.processor = load_processor(resolve_model_dir(checkpoint))
+        tok = self.processor.tokenizer
+        self.eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+        if tok.eos_token_id is not None:
+            self.eos.add(tok.eos_token_id)
+        self.max_slots = max_slots
+
+    def encode(self, page: Page) -> dict:
+        enc = self.processor(images=[page.image], text=[chat_text(self.processor, page.prompt)], return_tensors="pt")
+        return dict(enc)
+
+    def generate(self, requests: Iterable[dict | tuple[dict, int]], max_new_tokens: int = 512,
+                 max_batch: int | None = None, on_step: Callable[[int], None] | None = None) -> Iterator[Result]:
+        """Greedy-decode encoded requests (or (request, its own max_new_tokens) pairs); yields
+        results as sequences finish, in any order (`rid` is the request's index)."""
+        sched = Scheduler(self.max_slots, max_batch)
+        for rid, req in enumerate(requests):
+            enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
+            sched.add(Sequence(rid, enc, limit))
+        dev = self.model.device
+        tok = self.processor.tokenizer
+        while not sched.idle:
+            for seq in sched.admit():
+                logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
+                seq.length = seq.enc["input_ids"].shape[1]
+                self._append(seq, int(logits.argmax()))
+            for seq in sched.retire():
+                yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens)
+            run = sched.running
+            if not run:
+                continue
+            logits = self.model.decode(torch.tensor([s.tokens[-1] for s in run], device=dev),
+                                       torch.tensor([s.slot for s in run], device=dev),
+                                       torch.tensor([s.length for s in run], device=dev),
+                                       torch.tensor([s.delta for s in run], device=dev))
+            for seq, nxt in zip(run, logits.argmax(-1).tolist()):
+                seq.length += 1
+                self._append(seq, nxt)
+            if on_step:
+                on_step(len(run))
+            for seq in sched.retire():
+                yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.tokens.append(token)
+        if token in self.eos or len(seq.tokens) >= seq.max_new_tokens:
+            seq.done = True
+
+    def parse_pages(self, pages: list[Page], max_new_tokens: int = 512, max_batch: int | None = None) -> list[str]:
+        res = {r.rid: r.text for r in self.generate((self.encode(p) for p in pages), max_new_tokens, max_batch)}
+        return [res[i] for i in range(len(pages))]

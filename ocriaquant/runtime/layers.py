@@ -1,0 +1,217 @@
+"""The Qwen3.5 text decoder, written for serving: QuantLinear per format, GDN and gated
+attention layers whose state lives in per-slot buffers, the MLP.
+
+Backend `torch` (what this file implements) is the reference path: every op is the one
+transformers runs, in the same dtype, so greedy tokens match transformers' (tests). The
+gated delta rule calls transformers' own torch functions (chunked for prefill, recurrent
+for decode): the same math, now fed from and written back to our slot buffers. The `triton` backend (runtime/kernels/) replaces them step by step.
+
+State layouts (DESIGN.md): GDN recurrent state fp32 [slots, HV, V, K] — transformers keeps
+[.., K, V], so it is transposed on the way in and out —, conv state [slots, C, kernel-1],
+attention KV cache [slots, KV heads, max_len, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant import fp8, nvfp4
+
+KINDS = ("bf16", "fp8", "nvfp4", "nvfp4_w4a4")
+
+
+class QuantLinear(nn.Module):
+    """A Linear in one of our formats. The torch backend computes with the dequantized weight
+    (exactly compressed-tensors' decompression) and, for W8A8 / W4A4, fake-quantized inputs,
+    which is what transformers does with the same checkpoint; the packed tensors are kept for
+    the Triton kernels."""
+
+    def __init__(self, kind: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                 global_scale: torch.Tensor | None = None, input_global_scale: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unknown QuantLinear kind {kind!r}; one of {KINDS}")
+        self.kind = kind
+        self.input_global_scale = input_global_scale
+        if kind == "bf16":
+            w = weight.to(dtype)
+        elif kind == "fp8":
+            self.register_buffer("w_q", weight)
+            self.register_buffer("w_scale", scale)
+            w = fp8.dequantize(weight, scale).to(dtype)
+        else:
+            self.register_buffer("w_packed", weight)
+            self.register_buffer("w_scale", scale)
+            self.register_buffer("w_global_scale", global_scale.reshape(1).float())
+            w = nvfp4.dequantize(weight, scale, global_scale.reshape(1).float(), dtype)
+        self.register_buffer("weight", w)
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp8":
+            x = fp8.fake_quant_activation(x)
+        elif self.kind == "nvfp4_w4a4":
+            x = nvfp4.fake_quant_activation(x, self.input_global_scale.to(x.device))
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32, cast back."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNormGated: norm in fp32, weight in the input dtype, then silu(gate) in fp32."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, gate: QuantLinear, up: QuantLinear, down: QuantLinear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[.., C, kernel] windows · [C, kernel] weights -> silu(conv) in the input dtype.
+
+    The same sum F.conv1d computes, written out: on the CPU a depthwise F.conv1d in BF16 falls
+    to a per-channel slow path (≈ 1 s per decode step of the bundled model, 96 % of it)."""
+    y = (window.float() * weight.float()).sum(-1).to(window.dtype)
+    return F.silu(y)
+
+
+class GatedDeltaNet(nn.Module):
+    """A GDN token mixer whose conv and recurrent states are rows of per-slot buffers."""
+
+    def __init__(self, cfg, p: dict, linears: dict[str, QuantLinear]):
+        super().__init__()
+        self.H, self.HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.K, self.V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.eps = cfg.rms_norm_eps
+        self.in_proj_qkv, self.in_proj_z = linears["in_proj_qkv"], linears["in_proj_z"]
+        self.in_proj_a, self.in_proj_b = linears["in_proj_a"], linears["in_proj_b"]
+        self.out_proj = linears["out_proj"]
+        self.register_buffer("conv_weight", p["conv1d.weight"].squeeze(1))  # [C, kernel]
+        self.register_buffer("A_log", p["A_log"])
+        self.register_buffer("dt_bias", p["dt_bias"])
+        self.register_buffer("norm_weight", p["norm.weight"])
+        self.conv_dim = 2 * self.H * self.K + self.HV * self.V
+        self.kernel = self.conv_weight.shape[-1]
+
+    def alloc_state(self, slots: int, device, dtype) -> dict:
+        return {"conv": torch.zeros(slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device),
+                "ssm": torch.zeros(slots, self.HV, self.V, self.K, dtype=torch.float32, device=device)}
+
+    def _qkv_gates(self, x, mixed):
+        t = mixed.shape[:-1]
+        q, k, v = torch.split(mixed, [self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
+        q, k = q.reshape(*t, self.H, self.K), k.reshape(*t, self.H, self.K)
+        v = v.reshape(*t, self.HV, self.V)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if self.HV // self.H > 1:
+            q = q.repeat_interleave(self.HV // self.H, dim=-2)
+            k = k.repeat_interleave(self.HV // self.H, dim=-2)
+        return q, k, v, g, beta
+
+    def _out(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        z = self.in_proj_z(x).reshape(-1, self.V)
+        o = gated_rmsnorm(core.reshape(-1, self.V), z, self.norm_weight, self.eps)
+        return self.out_proj(o.reshape(*x.shape[:-1], -1))
+
+    def prefill(self, x: torch.Tensor, state: dict, slot: int) -> torch.Tensor:
+        """x [T, D] of one request -> [T, D]; writes the slot's conv and recurrent state."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+        mixed = self.in_proj_qkv(x).T  # [C, T]
+        padded = F.pad(mixed, (self.kernel - 1, 0))                                  # zero history
+        state["conv"][slot].copy_(padded[:, -(self.kernel - 1):])
+        mixed = depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None]).T  # [T, C]
+        q, k, v, g, beta = self._qkv_gates(x, mixed)
+        core, final = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                                                   initial_state=None, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+        state["ssm"][slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
+        return self._out(core[0], x)
+
+    def decode(self, x: torch.Tensor, state: dict, slots: torch.Tensor) -> torch.Tensor:
+        """x [B, D], one token per slot -> [B, D]; the slots' states advance in place."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+        window = torch.cat([state["conv"][slots], self.in_proj_qkv(x)[:, :, None]], dim=-1)  # [B, C, kernel]
+        state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())
+        mixed = depthwise_causal_conv_silu(window, self.conv_weight)
+        q, k, v, g, beta = self._qkv_gates(x, mixed)
+        s = state["ssm"][slots].transpose(-1, -2)  # [B, HV, K, V] as transformers keeps it
+        core, new = torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None],
+                                                     beta=beta[:, None], initial_state=s, output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=True)
+        state["ssm"].index_copy_(0, slots, new.transpose(-1, -2).contiguous())
+        return self._out(core[:, 0], x)
+
+
+class Attention(nn.Module):
+    """Qwen3.5's gated full attention (q_proj also yields a sigmoid gate), M-RoPE on a partial
+    head dim, GQA; keys and values in a static per-slot cache."""
+
+    def __init__(self, cfg, p: dict, linears: dict[str, QuantLinear]):
+        super().__init__()
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (linears[n] for n in ("q_proj", "k_proj", "v_proj",
+                                                                                    "o_proj"))
+        self.q_norm = RMSNorm(p["q_norm.weight"], cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(p["k_norm.weight"], cfg.rms_norm_eps)
+
+    def alloc_state(self, slots: int, max_len: int, device, dtype) -> dict:
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
+        return {"k": torch.zeros(shape, dtype=dtype, device=device), "v": torch.zeros(shape, dtype=dtype, device=device)}
+
+    def _qkv(self, x, cos, sin):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        t = x.shape[:-1]
+        q, gate = torch.chunk(self.q_proj(x).view(*t, -1, self.head_dim * 2), 2, dim=-1)
+        q = self.q_norm(q).transpose(-2, -3)                                   # [.., heads, T, hd]
+        k = self.k_norm(self.k_proj(x).view(*t, -1, self.head_dim)).transpose(-2, -3)
+        v = self.v_proj(x).view(*t, -1, self.head_dim).transpose(-2, -3)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=-3)
+        return q, k, v, gate.reshape(*t, -1)
+
+    def prefill(self, x, state, slot: int, cos, sin):
+        """x [T, D]; cos/sin [T, rot]."""
+        q, k, v, gate = self._qkv(x, cos, sin)
+        n = x.shape[0]
+        state["k"][slot, :, :n] = k
+        state["v"][slot, :, :n] = v
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+        return self.o_proj(o.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate))
+
+    def decode(self, x, state, slots: torch.Tensor, lengths: torch.Tensor, cos, sin):
+        """x [B, D]: one token per slot at position lengths[b] of its cache; cos/sin [B, rot]."""
+        q, k, v, gate = self._qkv(x[:, None], cos[:, None], sin[:, None])  # q [B, heads, 1, hd]
+        state["k"][slots, :, lengths] = k[:, :, 0]
+        state["v"][slots, :, lengths] = v[:, :, 0]
+        keys, vals = state["k"][slots], state["v"][slots]                    # [B, kv, L, hd]
+        visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= lengths[:, None]
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None, None, :], enable_gqa=True)
+        return self.o_proj(o[:, :, 0].reshape(x.shape[0], -1) * torch.sigmoid(gate[:, 0]))

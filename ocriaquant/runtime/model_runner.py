@@ -1,0 +1,156 @@
+"""The model runner: our Qwen3.5 text decoder over per-slot state buffers, plus transformers'
+vision tower in BF16. Two entry points: `prefill` one request into a slot, `decode` one token
+for a batch of slots."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import OcriaError
+from .layers import MLP, Attention, GatedDeltaNet, RMSNorm
+from .load import TEXT, open_checkpoint, read_linear
+
+
+class _RopeIndex:
+    """transformers' M-RoPE position builder (Qwen3_5Model.get_rope_index) without the model."""
+
+    def __init__(self, config):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+        self.config = config
+        self._model_cls = Qwen3_5Model
+
+    def __call__(self, input_ids, mm_token_type_ids, image_grid_thw):
+        return self._model_cls.get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self._model_cls.get_vision_position_ids(self, *args, **kwargs)
+
+
+class RuntimeModel(nn.Module):
+    """Every tensor is held in `dtype` (BF16 by default), as transformers holds a model loaded
+    with that dtype — Qwen3.5 keeps no module in fp32 — except the quantized weights' packed
+    forms and the fp32 GDN recurrent state."""
+
+    def __init__(self, path, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        from transformers import Qwen3_5Config
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, Qwen3_5VisionModel
+
+        model_dir, _, store, kinds = open_checkpoint(path)
+        self.config = Qwen3_5Config.from_pretrained(model_dir)
+        tc = self.config.text_config
+        self.dtype, self.max_slots, self.max_len = dtype, max_slots, max_len
+        self.kinds = kinds
+
+        def lin(name):
+            return read_linear(store, name, kinds.get(name), dtype)
+
+        layers = []
+        for i, kind in enumerate(tc.layer_types):
+            pre = f"{TEXT}layers.{i}."
+            if kind == "linear_attention":
+                a = pre + "linear_attn."
+                p = store.require([a + n for n in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")])
+                mixer = GatedDeltaNet(tc, {k[len(a):]: v.to(dtype) for k, v in p.items()},
+                                      {n: lin(a + n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+                                                               "out_proj")})
+            elif kind == "full_attention":
+                a = pre + "self_attn."
+                p = store.require([a + "q_norm.weight", a + "k_norm.weight"])
+                mixer = Attention(tc, {k[len(a):]: v.to(dtype) for k, v in p.items()},
+                                  {n: lin(a + n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+            else:
+                raise OcriaError(f"{model_dir}: layer {i} has type {kind!r}; Qwen3.5 has linear_attention and "
+                                 "full_attention layers only")
+            norms = {k: v.to(dtype) for k, v in store.require([pre + "input_layernorm.weight",
+                                                               pre + "post_attention_layernorm.weight"]).items()}
+            layer = nn.Module()
+            layer.mixer = mixer
+            layer.mlp = MLP(*(lin(f"{pre}mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")))
+            layer.input_layernorm = RMSNorm(norms[pre + "input_layernorm.weight"], tc.rms_norm_eps)
+            layer.post_attention_layernorm = RMSNorm(norms[pre + "post_attention_layernorm.weight"], tc.rms_norm_eps)
+            layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        self.embed = nn.Embedding.from_pretrained(store.require([TEXT + "embed_tokens.weight"])[
+            TEXT + "embed_tokens.weight"].to(dtype), freeze=True)
+        self.norm = RMSNorm(store.require([TEXT + "norm.weight"])[TEXT + "norm.weight"].to(dtype), tc.rms_norm_eps)
+        if "lm_head.weight" in store or "lm_head.weight_packed" in store:
+            self.lm_head = lin("lm_head")
+        else:  # tied embeddings
+            from .layers import QuantLinear
+
+            self.lm_head = QuantLinear("bf16", self.embed.weight, dtype=dtype)
+        self.rotary = Qwen3_5TextRotaryEmbedding(tc)
+        self.visual = Qwen3_5VisionModel._from_config(self.config.vision_config, dtype=dtype)
+        vis = {k[len("model.visual."):]: store.get(k) for k in store.where if k.startswith("model.visual.")}
+        missing, unexpected = self.visual.load_state_dict(vis, strict=False)
+        if missing:
+            raise OcriaError(f"{model_dir}: vision tower tensors missing: {', '.join(sorted(missing)[:5])}")
+        self.rope_index = _RopeIndex(self.config)
+        self.to(device)
+        self.device = torch.device(device)
+        self.state = [layer.mixer.alloc_state(max_slots, max_len, self.device, dtype) if isinstance(layer.mixer, Attention)
+                      else layer.mixer.alloc_state(max_slots, self.device, dtype) for layer in self.layers]
+        self.eval()
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, N] -> cos, sin [N, rot] in the model dtype, as transformers computes them."""
+        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(dummy, positions[:, None, :])
+        return cos[0], sin[0]
+
+    @torch.no_grad()
+    def prefill(self, enc: dict, slot: int) -> tuple[torch.Tensor, int]:
+        """One processed request (processor output, batch of 1) into `slot`. Returns the logits
+        of its last position and the M-RoPE delta its decode positions are offset by."""
+        ids = enc["input_ids"][0].to(self.device)
+        if ids.numel() > self.max_len:
+            raise OcriaError(f"a request of {ids.numel()} prompt tokens does not fit the runtime's max_len "
+                             f"{self.max_len}; raise max_len")
+        x = self.embed(ids)
+        if "pixel_values" in enc:
+            grid = enc["image_grid_thw"].to(self.device)
+            img = self.visual(enc["pixel_values"].to(self.device, self.dtype), grid_thw=grid,
+                              return_dict=True).pooler_output
+            mask = ids == self.config.image_token_id
+            if int(mask.sum()) != img.shape[0]:
+                raise OcriaError(f"{int(mask.sum())} image tokens but {img.shape[0]} image features")
+            x = x.clone()
+            x[mask] = img.to(x.dtype)
+            pos, delta = self.rope_index(ids[None], enc["mm_token_type_ids"].to(self.device), grid)
+            pos, delta = pos[:, 0], int(delta.reshape(-1)[0])
+        else:
+            pos, delta = torch.arange(ids.numel(), device=self.device)[None].expand(3, -1), 0
+        cos, sin = self._rope(pos)
+        for layer, st in zip(self.layers, self.state):
+            h = layer.input_layernorm(x)
+            if isinstance(layer.mixer, Attention):
+                h = layer.mixer.prefill(h, st, slot, cos, sin)
+            else:
+                h = layer.mixer.prefill(h, st, slot)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x[-1:]))[0], delta
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+               deltas: torch.Tensor) -> torch.Tensor:
+        """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all
+        [B]. Returns logits [B, vocab]."""
+        if int(lengths.max()) >= self.max_len:
+            raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        x = self.embed(tokens)
+        pos = (lengths + deltas)[None].expand(3, -1)
+        cos, sin = self._rope(pos)
+        for layer, st in zip(self.layers, self.state):
+            h = layer.input_layernorm(x)
+            if isinstance(layer.mixer, Attention):
+                h = layer.mixer.decode(h, st, slots, lengths, cos, sin)
+            else:
+                h = layer.mixer.decode(h, st, slots)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,132 @@
+"""Our runtime against transformers: state layout, greedy tokens, `parse`."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
+
+
+def test_prefill_then_decode_equals_longer_prefill(tiny_model_dir):
+    """Prefill N tokens then decode 1 ≡ prefill N+1: catches a transposed GDN state ([V, K]
+    written, [K, V] read), a wrong conv-state shift or a KV cache written at the wrong place."""
+    from ocriaquant.runtime.model_runner import RuntimeModel
+
+    rt = RuntimeModel(tiny_model_dir, max_slots=3, max_len=64, dtype=torch.float32)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 250, (1, 12))
+    full, _ = rt.prefill({"input_ids": ids}, slot=2)
+    for s in (0, 1):  # two slots at different lengths, decoded together
+        rt.prefill({"input_ids": ids[:, : 11 - s]}, slot=s)
+    logits = rt.decode(ids[0, [11, 10]], torch.tensor([0, 1]), torch.tensor([11, 10]), torch.tensor([0, 0]))
+    shorter, _ = rt.prefill({"input_ids": ids[:, :11]}, slot=2)
+    assert torch.allclose(logits[0], full, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(logits[1], shorter, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_logits_equal_transformers(tiny_model_dir, synth_pages):
+    from ocriaquant.model import load_model
+    from ocriaquant.model.processor import chat_text
+    from ocriaquant.runtime.model_runner import RuntimeModel
+
+    model, proc = load_model(tiny_model_dir, dtype="fp32")
+    page = load_pages(synth_pages).pages[0]
+    enc = dict(proc(images=[page.image], text=[chat_text(proc, page.prompt)], return_tensors="pt"))
+    with torch.no_grad():
+        want = model(**enc).logits[0, -1]
+    rt = RuntimeModel(tiny_model_dir, max_slots=1, max_len=512, dtype=torch.float32)
+    got, delta = rt.prefill(enc, slot=0)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert delta < 0  # 64 image tokens on a 8x8 grid take fewer than 64 positions
+
+
+@pytest.fixture(scope="module")
+def mixed_checkpoint(tmp_path_factory):
+    """The bundled model exported with a mixed FP8 / NVFP4 plan (h200: weight-only NVFP4)."""
+    from ocriaquant.calibrate import model_fingerprint
+    from ocriaquant.export import export
+    from ocriaquant.model import DEFAULT_MODEL, discover_groups, load_config, meta_model
+
+    tmp = tmp_path_factory.mktemp("mixed")
+    groups = discover_groups(meta_model(load_config(DEFAULT_MODEL)))
+    fmt = {"mlp_up": "nvfp4", "mlp_down": "nvfp4", "gdn_in": "fp8", "gdn_out": "fp8", "attn_qkv": "fp8",
+           "attn_o": "fp8"}
+    plan = {g.name: fmt.get(g.kind, "bf16") for g in groups if not g.always_bf16}
+    (tmp / "plan.json").write_text(json.dumps({"target": "h200", "groups": plan, "model_dir": str(DEFAULT_MODEL),
+                                               "calibration": {"fingerprint": model_fingerprint(DEFAULT_MODEL)}}))
+    return export(tmp / "plan.json", tmp / "ckpt", max_pages=2, verify_pages=0)
+
+
+@pytest.mark.parametrize("which", ["bf16", "mixed"])
+def test_runtime_greedy_tokens_equal_transformers(which, request):
+    """Four held-out pages with different token limits, two slots: pages join as others
+    finish (mid-flight admission) and run in batches of mixed lengths."""
+    from ocriaquant.model import load_model
+    from ocriaquant.model.generate import greedy_decode
+    from ocriaquant.runtime.engine import Engine
+
+    ckpt = None if which == "bf16" else request.getfixturevalue("mixed_checkpoint")
+    _, held = split_pages(load_pages(BUNDLED_PAGES).pages)
+    pages = held[:4]
+    limits = [24, 64, 40, 16]
+    engine = Engine(ckpt, max_slots=2)
+    steps = []
+    results = list(engine.generate(((engine.encode(p), n) for p, n in zip(pages, limits)), on_step=steps.append))
+    # Page 2 takes page 0's slot while page 1 runs on; page 3 ends alone: batches of 2 and of 1.
+    assert results[0].rid == 0 and results[-1].rid == 3 and 1 in steps and 2 in steps
+    ours = {r.rid: r.tokens for r in results}
+    model, proc = load_model(ckpt)
+    tok = proc.tokenizer
+    for i, (page, n) in enumerate(zip(pages, limits)):
+        ref = greedy_decode(model, proc, [page], max_new_tokens=n)[0]
+        assert len(ours[i]) == n
+        assert tok.decode(ours[i], skip_special_tokens=True).strip() == ref, (which, i)
+
+
+def test_parse_writes_every_readable_page_and_reports_a_corrupt_one(tmp_path):
+    from ocriaquant.parse import parse
+
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    for p in [p for p in sorted(BUNDLED_PAGES.glob("*.png"))[:2]]:
+        shutil.copy(p, pages / p.name)
+    (pages / "broken.png").write_bytes(b"\x89PNG not really")
+    with pytest.warns(UserWarning, match="broken.png"):
+        s = parse(None, pages, tmp_path / "out", max_new_tokens=24, max_batch=2)
+    assert s["parsed"] == 2 and [f["path"].endswith("broken.png") for f in s["failed"]] == [True]
+    written = sorted(f.name for f in (tmp_path / "out").glob("*.md"))
+    assert written == sorted(p.stem + ".md" for p in pages.glob("page-*.png"))
+    assert all((tmp_path / "out" / w).read_text().startswith("#") for w in written)
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["tokens"] > 0
+    s2 = parse(None, pages, tmp_path / "out", max_new_tokens=24, max_batch=2)  # rerun: nothing left to do
+    assert s2["parsed"] == 0 and s2["already_done"] == 2
+
+
+def test_runtime_errors_name_the_problem(tiny_model_dir, tmp_path):
+    from ocriaquant.errors import OcriaError
+    from ocriaquant.runtime.load import quant_schemes
+    from ocriaquant.runtime.model_runner import RuntimeModel
+
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(OcriaError, match="model_type 'llama'.*not supported"):
+        RuntimeModel(other)
+    with pytest.raises(OcriaError, match="group 'group_0'.*not a format ocriaquant serves"):
+        quant_schemes({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+            "targets": ["x"], "weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}}})
+    with pytest.raises(OcriaError, match="method 'gptq'"):
+        quant_schemes({"quantization_config": {"quant_method": "gptq"}})
+    # A checkpoint that lost a tensor: the error names it.
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    f = next(broken.glob("*.safetensors"))
+    sd = load_file(str(f))
+    del sd["model.language_model.layers.0.mlp.down_proj.weight"]
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(OcriaError, match="missing tensors model.language_model.layers.0.mlp.down_proj.weight"):
+        RuntimeModel(broken)

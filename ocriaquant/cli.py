@@ -235,8 +235,10 @@ def parse(
     max_batch: Annotated[int, typer.Option(help="Pages decoded together (continuous batching).")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Longest markdown, in tokens.")] = 1024,
     redo: Annotated[bool, typer.Option("--redo", help="Parse again pages whose NAME.md already exists.")] = False,
+    backend: Annotated[str, typer.Option(help="torch (reference, CPU or GPU) or triton (decode kernels; GPU, or "
+                                         "the CPU under TRITON_INTERPRET=1).")] = "torch",
 ):
-    """Parse pages to markdown with ocriaquant's own runtime (torch backend).
+    """Parse pages to markdown with ocriaquant's own runtime.
 
     Unreadable pages are reported in summary.json and skipped; the others complete. Files are
     written atomically; a rerun skips pages already parsed (--redo to parse them again).
@@ -248,7 +250,7 @@ def parse(
     from .data import BUNDLED_PAGES
     from .parse import parse as run
 
-    s = run(checkpoint, pages or BUNDLED_PAGES, out, device, max_new_tokens, max_batch, redo, err_console)
+    s = run(checkpoint, pages or BUNDLED_PAGES, out, device, max_new_tokens, max_batch, redo, err_console, backend)
     console.print(f"parsed {s['parsed']} of {s['pages']} pages ({s['already_done']} already done) in "
                   f"{s['seconds']:.1f}s, {s['tokens']} tokens ({s['tokens_per_s']} tok/s) -> {out}")
     for f in s["failed"]:

@@ -22,7 +22,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 1024, max_batch: int = 8,
-          redo: bool = False, console=None) -> dict:
+          redo: bool = False, console=None, backend: str = "torch") -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .data import load_pages
@@ -35,7 +35,7 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
     out.mkdir(parents=True, exist_ok=True)
     todo = [p for p in report.pages if redo or not (out / f"{Path(p.name).stem}.md").exists()]
     t0 = time.time()
-    engine = Engine(checkpoint, device=device, max_slots=max_batch)
+    engine = Engine(checkpoint, device=device, max_slots=max_batch, backend=backend)
     load_s = time.time() - t0
     tokens = 0
     t1 = time.time()
@@ -52,6 +52,6 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
                "parsed": len(todo), "already_done": len(report.pages) - len(todo),
                "failed": [{"path": str(path), "error": err} for path, err in report.bad],
                "tokens": tokens, "seconds": round(secs, 2), "load_seconds": round(load_s, 2),
-               "tokens_per_s": round(tokens / secs, 1) if secs > 0 else None, "device": device, "backend": "torch"}
+               "tokens_per_s": round(tokens / secs, 1) if secs > 0 else None, "device": device, "backend": backend}
     _atomic_write(out / "summary.json", json.dumps(summary, indent=1))
     return summary

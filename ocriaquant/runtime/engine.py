@@ -26,9 +26,7 @@ class Result:
 class Engine:
     def __init__(self, checkpoint, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
                  backend: str = "torch"):
-        if backend != "torch":
-            raise ValueError(f"backend {backend!r} is not available yet; use 'torch'")
-        self.model = RuntimeModel(checkpoint, device=device, max_slots=max_slots, max_len=max_len)
+        self.model = RuntimeModel(checkpoint, device=device, max_slots=max_slots, max_len=max_len, backend=backend)
         self.processor = load_processor(resolve_model_dir(checkpoint))
         tok = self.processor.tokenizer
         self.eos = {tok.convert_tokens_to_ids("<|im_end|>")}

@@ -1,10 +1,13 @@
 """The Qwen3.5 text decoder, written for serving: QuantLinear per format, GDN and gated
 attention layers whose state lives in per-slot buffers, the MLP.
 
-Backend `torch` (what this file implements) is the reference path: every op is the one
+Backend `torch` is the reference path: every op is the one
 transformers runs, in the same dtype, so greedy tokens match transformers' (tests). The
 gated delta rule calls transformers' own torch functions (chunked for prefill, recurrent
-for decode): the same math, now fed from and written back to our slot buffers. The `triton` backend (runtime/kernels/) replaces them step by step.
+for decode): the same math, now fed from and written back to our slot buffers. Backend
+`triton` runs decode steps through runtime/kernels/: gdn_decode for the GDN layers, the
+weight-streaming GEMVs for FP8 / NVFP4 Linears (M <= 64), silu_mul_quant before an FP8
+down_proj. Prefill stays on the torch path.
 
 State layouts (DESIGN.md): GDN recurrent state fp32 [slots, HV, V, K] — transformers keeps
 [.., K, V], so it is transposed on the way in and out —, conv state [slots, C, kernel-1],
@@ -50,12 +53,28 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", w)
         self.out_features, self.in_features = w.shape
 
+    triton = False  # set by RuntimeModel(backend="triton")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton and self.kind != "bf16" and x.ndim == 2 and x.shape[0] <= 64 and x.dtype == torch.bfloat16:
+            return self.forward_kernels(x)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
             x = nvfp4.fake_quant_activation(x, self.input_global_scale.to(x.device))
         return F.linear(x, self.weight)
+
+    def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
+        """Decode (M <= 64) through the weight-streaming GEMVs; `x_q` = (E4M3, scale) when the
+        producer already quantized the activations (silu_mul_quant)."""
+        from .kernels import gemv_fp8, gemv_nvfp4, quant_fp8_per_token
+
+        if self.kind == "fp8":
+            q, s = x_q if x_q is not None else quant_fp8_per_token(x.contiguous())
+            return gemv_fp8(q, s, self.w_q, self.w_scale)
+        if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
+            x = nvfp4.fake_quant_activation(x, self.input_global_scale.to(x.device))
+        return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale)
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +106,13 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down = self.down_proj
+        if down.triton and down.kind == "fp8" and x.ndim == 2 and x.shape[0] <= 64 and x.dtype == torch.bfloat16:
+            from .kernels import silu_mul_quant
+
+            # silu·mul and the per-token FP8 quantization down_proj needs, in one pass.
+            return down.forward_kernels(x, silu_mul_quant(self.gate_proj(x), self.up_proj(x), "fp8"))
+        return down(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -153,9 +178,19 @@ class GatedDeltaNet(nn.Module):
         state["ssm"][slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
         return self._out(core[0], x)
 
+    triton = False  # set by RuntimeModel(backend="triton")
+
     def decode(self, x: torch.Tensor, state: dict, slots: torch.Tensor) -> torch.Tensor:
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+        if self.triton:
+            from .kernels import gdn_decode
+
+            o = gdn_decode(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x),
+                           state["conv"], self.conv_weight, self.A_log, self.dt_bias, self.norm_weight,
+                           state["ssm"], slots.to(torch.int32), self.H, self.K, self.V, self.eps)
+            return self.out_proj(o)
 
         window = torch.cat([state["conv"][slots], self.in_proj_qkv(x)[:, :, None]], dim=-1)  # [B, C, kernel]
         state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())

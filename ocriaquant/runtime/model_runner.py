@@ -34,7 +34,7 @@ class RuntimeModel(nn.Module):
     forms and the fp32 GDN recurrent state."""
 
     def __init__(self, path, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "torch"):
         super().__init__()
         from transformers import Qwen3_5Config
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, Qwen3_5VisionModel
@@ -90,6 +90,14 @@ class RuntimeModel(nn.Module):
         if missing:
             raise OcriaError(f"{model_dir}: vision tower tensors missing: {', '.join(sorted(missing)[:5])}")
         self.rope_index = _RopeIndex(self.config)
+        if backend not in ("torch", "triton"):
+            raise OcriaError(f"unknown backend {backend!r}; torch or triton")
+        # triton: decode steps run the GDN layers through gdn_decode and FP8 / NVFP4 Linears through
+        # the GEMV kernels (MLPs with an FP8 down_proj through silu_mul_quant); prefill stays torch.
+        for m in self.modules():
+            if hasattr(type(m), "triton"):
+                m.triton = backend == "triton"
+        self.backend = backend
         self.to(device)
         self.device = torch.device(device)
         self.state = [layer.mixer.alloc_state(max_slots, max_len, self.device, dtype) if isinstance(layer.mixer, Attention)

@@ -54,6 +54,7 @@ from safetensors.torch import load_file, save_file
 
 from .data import BUNDLED_PAGES, Page, load_pages, select_split
 from .errors import OcriaError
+from .files import write_json_atomic
 from .model import discover_groups, load_model
 from .model.generate import greedy_decode
 from .model.load import resolve_model_dir
@@ -94,12 +95,6 @@ def page_hash(page: Page) -> str:
     h = hashlib.sha256(page.image.tobytes())
     h.update(f"{page.image.size}|{page.prompt}|{page.reference}".encode())
     return h.hexdigest()[:16]
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -287,7 +282,7 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
                 acc["_target_tokens"] += float(tpos.shape[0])
                 done = start + len(chunk)
                 _atomic_save(acc, partial / "state.safetensors")
-                _atomic_write(progress_path, json.dumps({"fingerprint": fingerprint, "done_pages": done}))
+                write_json_atomic(progress_path, {"fingerprint": fingerprint, "done_pages": done})
                 batches_run += 1
                 bar.update(task, completed=done)
     finally:

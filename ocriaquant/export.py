@@ -14,6 +14,8 @@ before the checkpoint is compressed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .errors import OcriaError
@@ -133,7 +135,7 @@ def set_input_global_scales(model, plan: dict[str, str], groups: list[LayerGroup
     return n
 
 
-def carry_unloaded_tensors(src: "Path", dst: "Path", prefixes: tuple[str, ...] = ("mtp.",)) -> int:
+def carry_unloaded_tensors(src: Path, dst: Path, prefixes: tuple[str, ...] = ("mtp.",)) -> int:
     """Copy tensors transformers does not load (Qwen3.5's multi-token-prediction head `mtp.*`)
     from the source checkpoint into `dst` untouched, as their own shard listed in the index
     (serving engines that speculate with MTP read them from there)."""

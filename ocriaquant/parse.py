@@ -7,18 +7,11 @@ to redo them."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
 from .errors import OcriaError
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from .files import write_json_atomic, write_text_atomic
 
 
 def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 1024, max_batch: int = 8,
@@ -44,7 +37,7 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
         task = bar.add_task("pages", total=len(todo))
         encoded = (engine.encode(p) for p in todo)
         for res in engine.generate(encoded, max_new_tokens=max_new_tokens, max_batch=max_batch):
-            _atomic_write(out / f"{Path(todo[res.rid].name).stem}.md", res.text + "\n")
+            write_text_atomic(out / f"{Path(todo[res.rid].name).stem}.md", res.text + "\n")
             tokens += len(res.tokens)
             bar.advance(task)
     secs = time.time() - t1
@@ -53,5 +46,5 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
                "failed": [{"path": str(path), "error": err} for path, err in report.bad],
                "tokens": tokens, "seconds": round(secs, 2), "load_seconds": round(load_s, 2),
                "tokens_per_s": round(tokens / secs, 1) if secs > 0 else None, "device": device, "backend": backend}
-    _atomic_write(out / "summary.json", json.dumps(summary, indent=1))
+    write_json_atomic(out / "summary.json", summary)
     return summary

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 import yaml
 
 from .errors import OcriaError
+from .files import write_json_atomic
 from .model.groups import BITS_PER_WEIGHT, FORMATS
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -177,12 +177,6 @@ def uniform_plan(allowed: dict[str, list[str]], fmt: str) -> dict[str, str]:
     return {g: fmt if fmt in fmts else fmts[0] for g, fmts in allowed.items()}
 
 
-def write_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------------------- evaluation and report
 
 @dataclass
@@ -328,8 +322,8 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
               "frontier": [{"predicted_ms": p.time * 1e3, "damage": p.damage,
                             "formats": {f: sum(v == f for v in p.plan.values()) for f in FORMATS}} for p in frontier],
               "candidates": [c.summary() for c in plans]}
-    write_json(out / "plan.json", plan_json)
-    write_json(out / "report.json", report)
+    write_json_atomic(out / "plan.json", plan_json)
+    write_json_atomic(out / "report.json", report)
     _write_markdown(out / "report.md", report, chosen, groups)
     _plot(out / "pareto.png", plans, chosen, target)
     return report

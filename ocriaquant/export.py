@@ -174,13 +174,13 @@ def verify(ckpt, model_dir, plan: dict[str, str], target: str, absmax: dict[str,
     count the pages whose greedy tokens are identical."""
     from .eval import ned
     from .model import discover_groups, load_model
-    from .model.generate import greedy_decode
-    from .quant.simulate import kind_for, simulate
+    from .model.generate import default_max_new_tokens, greedy_decode
+    from .quant.simulate import plan_units, simulate
 
     pages = list(pages)
     q, proc = load_model(ckpt, dtype="bf16")
     tok = proc.tokenizer
-    max_new = max_new_tokens or int(max(len(tok(p.reference or "x")["input_ids"]) for p in pages) * 1.25) + 16
+    max_new = max_new_tokens or default_max_new_tokens(tok, pages)
 
     def ids(texts):
         return [tok(t)["input_ids"] for t in texts]
@@ -188,9 +188,7 @@ def verify(ckpt, model_dir, plan: dict[str, str], target: str, absmax: dict[str,
     got = greedy_decode(q, proc, pages, max_new_tokens=max_new)
     del q
     net, _ = load_model(model_dir, dtype="bf16")
-    groups = {g.name: g for g in discover_groups(net)}
-    units = [(groups[g].members, kind_for(f, target)) for g, f in plan.items() if f != "bf16"]
-    with simulate(net, units, absmax):
+    with simulate(net, plan_units(plan, {g.name: g.members for g in discover_groups(net)}, target), absmax):
         want = greedy_decode(net, proc, pages, max_new_tokens=max_new)
     same = [a == b for a, b in zip(ids(got), ids(want))]
     res = {"pages": len(pages), "identical_pages": int(sum(same)), "agreement": float(sum(same) / len(pages)),
@@ -215,7 +213,6 @@ def export(plan_path, out, model=None, pages=None, force: bool = False, max_page
     import os
     import shutil
     import time
-    from pathlib import Path
 
     import yaml
     from rich.console import Console

@@ -204,10 +204,9 @@ class Candidate:
 
 def _decode(net, proc, pages, groups, plan, target, absmax, max_new_tokens, batch_size):
     from .model.generate import greedy_decode
-    from .quant.simulate import kind_for, simulate
+    from .quant.simulate import plan_units, simulate
 
-    units = [(groups[g].members, kind_for(f, target)) for g, f in plan.items() if f != "bf16"]
-    with simulate(net, units, absmax):
+    with simulate(net, plan_units(plan, {g: grp.members for g, grp in groups.items()}, target), absmax):
         return greedy_decode(net, proc, pages, batch_size=batch_size, max_new_tokens=max_new_tokens)
 
 
@@ -222,6 +221,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
     from .data import load_pages, select_split
     from .eval import ned, paired_bootstrap
     from .model import discover_groups, load_model
+    from .model.generate import default_max_new_tokens
 
     console = console or Console(stderr=True)
     out = Path(out) if out else Path("ocriaquant-out") / "search"
@@ -253,7 +253,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
     if not held:
         raise OcriaError(f"{pages_dir}: no held-out pages with ground truth to evaluate candidates on")
     tok = proc.tokenizer
-    max_new = max_new_tokens or int(max(len(tok(p.reference)["input_ids"]) for p in held) * 1.25) + 16
+    max_new = max_new_tokens or default_max_new_tokens(tok, held)
     absmax = input_absmax(stats)
 
     plans: list[Candidate] = []

@@ -11,6 +11,12 @@ from ..data.page import Page
 from .processor import PageProcessor, chat_text
 
 
+def default_max_new_tokens(tokenizer, pages: Sequence[Page]) -> int:
+    """Room for the longest ground truth among `pages` plus a quarter, so a model that runs
+    on past it is still seen to, without decoding 512 tokens a page."""
+    return int(max(len(tokenizer(p.reference or "")["input_ids"]) for p in pages) * 1.25) + 16
+
+
 @torch.no_grad()
 def greedy_decode(model, processor: PageProcessor, pages: Sequence[Page], batch_size: int = 16,
                   max_new_tokens: int = 512, on_batch: Callable[[int], None] | None = None) -> list[str]:

@@ -37,6 +37,12 @@ def kind_for(fmt: str, target: str) -> str | None:
     raise ValueError(f"unknown format {fmt!r}; expected bf16, fp8 or nvfp4")
 
 
+def plan_units(plan: dict[str, str], members: dict[str, list[str]], target: str) -> list[tuple[list[str], str]]:
+    """A plan (group -> format) as `simulate`'s units on `target`; `members` maps each group
+    to its Linear names. BF16 groups are left out."""
+    return [(members[g], kind_for(f, target)) for g, f in plan.items() if f != "bf16"]
+
+
 def quantized_weight(weight: torch.Tensor, kind: str, gscale: torch.Tensor | None = None,
                      name: str = "weight") -> torch.Tensor:
     """The dequantized weight a `kind` Linear computes with."""

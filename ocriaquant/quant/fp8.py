@@ -41,8 +41,13 @@ def fake_quant_weight(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     return dequantize(q, scale, w.dtype)
 
 
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic FP8 over the last dim: (E4M3 like x, scale [..., 1] in x.dtype)."""
+    scale = _absmax_scale(x, dim=-1)
+    return torch.clamp(x / scale + 0.0, -FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def fake_quant_activation(x: torch.Tensor) -> torch.Tensor:
     """Per-token dynamic FP8 quantize-dequantize over the last dim (x is [..., tokens, K])."""
-    scale = _absmax_scale(x, dim=-1)
-    q = torch.clamp(x / scale + 0.0, -FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype)
-    return q.to(scale.dtype) * scale
+    q, scale = quantize_activation(x)
+    return q.to(x.dtype).to(scale.dtype) * scale

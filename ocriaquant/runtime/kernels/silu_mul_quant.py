@@ -105,14 +105,11 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
 def silu_mul_quant_ref(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
                        input_global_scale: torch.Tensor | None = None):
     """The unfused torch sequence with quant/'s (compressed-tensors-exact) numerics."""
-    from ...quant import nvfp4
-    from ...quant.common import FP8_DTYPE, FP8_MAX as _MAX
+    from ...quant import fp8, nvfp4
 
     h = F.silu(gate) * up
     if fmt == "fp8":
-        scale = h.abs().amax(-1, keepdim=True) / torch.tensor(_MAX, dtype=h.dtype, device=h.device)
-        scale = torch.where(scale == 0, torch.finfo(h.dtype).eps, scale)
-        q = torch.clamp(h / scale + 0.0, -_MAX, _MAX).to(FP8_DTYPE)
+        q, scale = fp8.quantize_activation(h)
         return q, scale.float()
     packed, scales, _ = nvfp4.quantize_weight(h, input_global_scale.reshape(1).float(), "activation")
     return packed, scales

@@ -47,14 +47,12 @@ class Engine:
             enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
             sched.add(Sequence(rid, enc, limit))
         dev = self.model.device
-        tok = self.processor.tokenizer
         while not sched.idle:
             for seq in sched.admit():
                 logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
                 seq.length = seq.enc["input_ids"].shape[1]
                 self._append(seq, int(logits.argmax()))
-            for seq in sched.retire():
-                yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens)
+            yield from self._finished(sched)  # a request can end at its first token
             run = sched.running
             if not run:
                 continue
@@ -67,8 +65,12 @@ class Engine:
                 self._append(seq, nxt)
             if on_step:
                 on_step(len(run))
-            for seq in sched.retire():
-                yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens)
+            yield from self._finished(sched)
+
+    def _finished(self, sched: Scheduler) -> Iterator[Result]:
+        tok = self.processor.tokenizer
+        for seq in sched.retire():
+            yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens)
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)

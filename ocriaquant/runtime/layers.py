@@ -38,7 +38,8 @@ class QuantLinear(nn.Module):
         if kind not in KINDS:
             raise ValueError(f"unknown QuantLinear kind {kind!r}; one of {KINDS}")
         self.kind = kind
-        self.input_global_scale = input_global_scale
+        # A buffer, so it moves with the module and the forward needs no per-call .to(device).
+        self.register_buffer("input_global_scale", input_global_scale)
         if kind == "bf16":
             w = weight.to(dtype)
         elif kind == "fp8":
@@ -55,13 +56,17 @@ class QuantLinear(nn.Module):
 
     triton = False  # set by RuntimeModel(backend="triton")
 
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """The GEMV kernels take decode-sized BF16 rows of a quantized weight; all else is torch."""
+        return self.triton and self.kind != "bf16" and x.ndim == 2 and x.shape[0] <= 64 and x.dtype == torch.bfloat16
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton and self.kind != "bf16" and x.ndim == 2 and x.shape[0] <= 64 and x.dtype == torch.bfloat16:
+        if self.uses_kernels(x):
             return self.forward_kernels(x)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
-            x = nvfp4.fake_quant_activation(x, self.input_global_scale.to(x.device))
+            x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         return F.linear(x, self.weight)
 
     def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
@@ -73,7 +78,7 @@ class QuantLinear(nn.Module):
             q, s = x_q if x_q is not None else quant_fp8_per_token(x.contiguous())
             return gemv_fp8(q, s, self.w_q, self.w_scale)
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
-            x = nvfp4.fake_quant_activation(x, self.input_global_scale.to(x.device))
+            x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale)
 
 
@@ -107,7 +112,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
-        if down.triton and down.kind == "fp8" and x.ndim == 2 and x.shape[0] <= 64 and x.dtype == torch.bfloat16:
+        if down.kind == "fp8" and down.uses_kernels(x):
             from .kernels import silu_mul_quant
 
             # silu·mul and the per-token FP8 quantization down_proj needs, in one pass.
@@ -182,8 +187,6 @@ class GatedDeltaNet(nn.Module):
 
     def decode(self, x: torch.Tensor, state: dict, slots: torch.Tensor) -> torch.Tensor:
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place."""
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
-
         if self.triton:
             from .kernels import gdn_decode
 
@@ -191,6 +194,7 @@ class GatedDeltaNet(nn.Module):
                            state["conv"], self.conv_weight, self.A_log, self.dt_bias, self.norm_weight,
                            state["ssm"], slots.to(torch.int32), self.H, self.K, self.V, self.eps)
             return self.out_proj(o)
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         window = torch.cat([state["conv"][slots], self.in_proj_qkv(x)[:, :, None]], dim=-1)  # [B, C, kernel]
         state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())
@@ -241,12 +245,13 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
         return self.o_proj(o.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate))
 
-    def decode(self, x, state, slots: torch.Tensor, lengths: torch.Tensor, cos, sin):
-        """x [B, D]: one token per slot at position lengths[b] of its cache; cos/sin [B, rot]."""
+    def decode(self, x, state, slots: torch.Tensor, lengths: torch.Tensor, cos, sin, span: int):
+        """x [B, D]: one token per slot at position lengths[b] of its cache; cos/sin [B, rot];
+        span = max(lengths) + 1, the cache prefix any row can see (only that much is gathered)."""
         q, k, v, gate = self._qkv(x[:, None], cos[:, None], sin[:, None])  # q [B, heads, 1, hd]
         state["k"][slots, :, lengths] = k[:, :, 0]
         state["v"][slots, :, lengths] = v[:, :, 0]
-        keys, vals = state["k"][slots], state["v"][slots]                    # [B, kv, L, hd]
-        visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= lengths[:, None]
+        keys, vals = state["k"][slots, :, :span], state["v"][slots, :, :span]  # [B, kv, span, hd]
+        visible = torch.arange(span, device=x.device)[None, :] <= lengths[:, None]
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None, None, :], enable_gqa=True)
         return self.o_proj(o[:, :, 0].reshape(x.shape[0], -1) * torch.sigmoid(gate[:, 0]))

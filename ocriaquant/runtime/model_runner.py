@@ -148,7 +148,8 @@ class RuntimeModel(nn.Module):
                deltas: torch.Tensor) -> torch.Tensor:
         """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all
         [B]. Returns logits [B, vocab]."""
-        if int(lengths.max()) >= self.max_len:
+        span = int(lengths.max()) + 1  # one host sync a step, shared by every attention layer
+        if span > self.max_len:
             raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
         x = self.embed(tokens)
         pos = (lengths + deltas)[None].expand(3, -1)
@@ -156,7 +157,7 @@ class RuntimeModel(nn.Module):
         for layer, st in zip(self.layers, self.state):
             h = layer.input_layernorm(x)
             if isinstance(layer.mixer, Attention):
-                h = layer.mixer.decode(h, st, slots, lengths, cos, sin)
+                h = layer.mixer.decode(h, st, slots, lengths, cos, sin, span)
             else:
                 h = layer.mixer.decode(h, st, slots)
             x = x + h

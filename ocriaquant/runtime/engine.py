@@ -32,7 +32,6 @@ class Engine:
         self.eos = {tok.convert_tokens_to_ids("<|im_end|>")}
         if tok.eos_token_id is not None:
             self.eos.add(tok.eos_token_id)
-        self.max_slots = max_slots
 
     def encode(self, page: Page) -> dict:
         enc = self.processor(images=[page.image], text=[chat_text(self.processor, page.prompt)], return_tensors="pt")
@@ -42,7 +41,7 @@ class Engine:
                  max_batch: int | None = None, on_step: Callable[[int], None] | None = None) -> Iterator[Result]:
         """Greedy-decode encoded requests (or (request, its own max_new_tokens) pairs); yields
         results as sequences finish, in any order (`rid` is the request's index)."""
-        sched = Scheduler(self.max_slots, max_batch)
+        sched = Scheduler(self.model.max_slots, max_batch)
         for rid, req in enumerate(requests):
             enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
             sched.add(Sequence(rid, enc, limit))
@@ -76,7 +75,3 @@ class Engine:
         seq.tokens.append(token)
         if token in self.eos or len(seq.tokens) >= seq.max_new_tokens:
             seq.done = True
-
-    def parse_pages(self, pages: list[Page], max_new_tokens: int = 512, max_batch: int | None = None) -> list[str]:
-        res = {r.rid: r.text for r in self.generate((self.encode(p) for p in pages), max_new_tokens, max_batch)}
-        return [res[i] for i in range(len(pages))]

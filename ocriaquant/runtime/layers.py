@@ -214,7 +214,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg, p: dict, linears: dict[str, QuantLinear]):
         super().__init__()
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (linears[n] for n in ("q_proj", "k_proj", "v_proj",
                                                                                     "o_proj"))

@@ -99,13 +99,4 @@ def open_checkpoint(path) -> tuple[Path, dict, TensorStore, dict[str, str]]:
     return model_dir, cfg, TensorStore(model_dir), quant_schemes(cfg)
 
 
-def describe(path) -> dict:
-    """Formats per Linear count, for `parse`'s summary."""
-    _, cfg, _, kinds = open_checkpoint(path)
-    out = {"bf16": 0}
-    for k in kinds.values():
-        out[k] = out.get(k, 0) + 1
-    return {"quantized_linears": out, "model_type": cfg.get("model_type")}
-
-
-__all__ = ["TensorStore", "open_checkpoint", "quant_schemes", "read_linear", "describe", "TEXT"]
+__all__ = ["TensorStore", "open_checkpoint", "quant_schemes", "read_linear", "TEXT"]

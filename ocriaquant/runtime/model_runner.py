@@ -43,7 +43,6 @@ class RuntimeModel(nn.Module):
         self.config = Qwen3_5Config.from_pretrained(model_dir)
         tc = self.config.text_config
         self.dtype, self.max_slots, self.max_len = dtype, max_slots, max_len
-        self.kinds = kinds
 
         def lin(name):
             return read_linear(store, name, kinds.get(name), dtype)

@@ -257,6 +257,62 @@ def parse(
         console.print(f"[yellow]skipped[/] {f['path']}: {f['error']}")
 
 
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise OcriaError(f"{what} must be comma-separated integers, e.g. 1,8,32,64; got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise OcriaError(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+@app.command()
+@_friendly
+def bench(
+    checkpoint: Annotated[Optional[Path], typer.Argument(help="Checkpoint or BF16 model directory (default: the "
+                                                         "bundled model, unless --shape).")] = None,
+    shape: Annotated[Optional[str], typer.Option(help="Bench a named shape with random weights instead: "
+                                                 "qwen3.5-4b or qwen3.5-0.8b.")] = None,
+    plan: Annotated[str, typer.Option(help="With --shape: bf16, or mixed (NVFP4 MLPs, FP8 GDN and attention, "
+                                      "BF16 head).")] = "mixed",
+    device: Annotated[str, typer.Option(help="cuda (or cpu with --backend torch, slowly).")] = "cuda",
+    backend: Annotated[str, typer.Option(help="triton (our kernels + CUDA graphs) or torch (reference).")] = "triton",
+    batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8,32,64",
+    context: Annotated[int, typer.Option(help="Tokens already cached per row when decode speed is measured.")] = 512,
+    steps: Annotated[int, typer.Option(help="Decode steps timed per batch size.")] = 32,
+    concurrency: Annotated[str, typer.Option(help="Page concurrency levels (empty: skip pages).")] = "1,8,32,64",
+    pages: Annotated[Optional[int], typer.Option(help="Pages per concurrency level (default max(4, level)).")] = None,
+    megapixels: Annotated[float, typer.Option(help="Size of the synthetic pages.")] = 4.1,
+    out_tokens: Annotated[int, typer.Option(help="Tokens generated per page (EOS ignored).")] = 1000,
+    baseline: Annotated[bool, typer.Option(help="Also time transformers generate on the same weights.")] = True,
+    baseline_tokens: Annotated[int, typer.Option(help="Decode steps timed for transformers.")] = 16,
+    cuda_graphs: Annotated[bool, typer.Option(help="Replay the decode step as a CUDA graph per batch bucket.")] = True,
+    out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
+):
+    """Measure the runtime: decode tok/s per batch, pages/s and p50/p90 latency per concurrency,
+    the roofline ratio, and transformers `generate` on the same weights, in one run.
+
+    Decode rows start from `--context` cached tokens; the roofline is the bytes one step moves
+    (weights as our kernels read them, GDN state, KV cache) over the copy bandwidth measured
+    in the same run. Pages are synthetic, vision encoder and prefill included.
+
+    Examples:\n
+      ocriaquant bench --shape qwen3.5-4b --plan mixed\n
+      ocriaquant bench ocriaquant-out/checkpoint --batches 1,8 --concurrency 8
+    """
+    from .bench import run, table
+    from .files import write_json_atomic
+
+    rep = run(checkpoint, shape, plan, device, backend, _ints(batches, "--batches"), context, steps,
+              _ints(concurrency, "--concurrency") if concurrency.strip() else [], pages, megapixels, out_tokens,
+              baseline, baseline_tokens, cuda_graphs, log=lambda m: err_console.print(f"[dim]{m}[/]"))
+    for t in table(rep):
+        console.print(t)
+    write_json_atomic(out, rep)
+    console.print(f"wrote {out}")
+
+
 @app.command("eval")
 @_friendly
 def eval_(

@@ -17,7 +17,7 @@ import torch
 
 from ocriaquant.calibrate import calibrate
 from ocriaquant.data.synth import SynthStyle, write_pages
-from ocriaquant.model.configs import SHAPES
+from ocriaquant.model.configs import SHAPES, use_tokenizer_ids
 from ocriaquant.model.processor import PageProcessor, build_byte_tokenizer, build_image_processor, save_processor
 
 
@@ -39,13 +39,7 @@ def main():
     model_dir, pages_dir = args.work / "model", args.work / "pages"
     t = time.time()
     tok = build_byte_tokenizer()
-    config = SHAPES[args.shape]()
-    # The real shapes carry Qwen's 248k-vocab special ids; point them at the byte tokenizer's.
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                                      "<|vision_end|>", "<|im_end|>")}
-    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
-    config.text_config.eos_token_id, config.text_config.pad_token_id = ids["<|im_end|>"], 0
+    config = use_tokenizer_ids(SHAPES[args.shape](), tok)
     with torch.device(args.device):
         torch.manual_seed(0)
         model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)

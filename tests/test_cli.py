@@ -49,3 +49,45 @@ def test_quantize_refuses_an_existing_checkpoint_before_any_work(tmp_path):
     assert (tmp_path / "checkpoint" / "keep.txt").read_text() == "mine"
     res = runner.invoke(app, ["quantize", "--help"], terminal_width=200)
     assert res.exit_code == 0 and "--max-ned-increase" in res.output and "calib/" in res.output
+
+
+def test_bench_cpu_smoke_reports_every_row_and_counts_the_weights(tmp_path):
+    """`ocriaquant bench` on the bundled model (torch backend, CPU): one decode row per batch,
+    one pages row per concurrency, transformers beside it, and the roofline's weight bytes
+    equal to the decoder Linears' + head's bytes read back from the safetensors."""
+    from safetensors import safe_open
+
+    from ocriaquant.model.load import resolve_model_dir
+
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--backend", "torch", "--batches", "1,2", "--steps", "2",
+                              "--concurrency", "2", "--pages", "3", "--out-tokens", "3", "--context", "8",
+                              "--baseline-tokens", "2", "--megapixels", "0.2", "--out", str(out)],
+                        terminal_width=200)
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert [r["batch"] for r in rep["decode"]] == [1, 2]
+    assert all(r["tok_per_s"] > 0 and r["transformers_tok_per_s"] > 0 for r in rep["decode"])
+    (pages,) = rep["pages"]
+    assert pages["pages"] == 3 and pages["concurrency"] == 2 and pages["p50_s"] <= pages["p90_s"]
+    assert pages["tok_per_s"] > 0
+    model_dir = resolve_model_dir(None)
+    want = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                lm = k.startswith("model.language_model.layers.") and "proj" in k.rsplit(".", 2)[-2]
+                if lm or k == "lm_head.weight":
+                    want += h.get_tensor(k).nbytes
+    if not any(True for f in model_dir.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()
+               if k == "lm_head.weight"):  # tied head: the embedding is read as the head
+        with safe_open(str(next(model_dir.glob("*.safetensors"))), "pt") as h:
+            want += h.get_tensor("model.language_model.embed_tokens.weight").nbytes
+    assert rep["decode"][0]["weights_bytes"] == want
+
+
+def test_bench_refuses_bad_input_with_one_line():
+    res = runner.invoke(app, ["bench", "--shape", "gpt-5", "--device", "cpu", "--backend", "torch"])
+    assert res.exit_code == 2 and "unknown shape 'gpt-5'" in res.output
+    res = runner.invoke(app, ["bench", "--batches", "1,x", "--device", "cpu", "--backend", "torch"])
+    assert res.exit_code == 2 and "comma-separated integers" in res.output

@@ -54,7 +54,7 @@ def test_gemv_fp8(m, n, k, split):
         gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (7, 32, 768, 2), (20, 16, 1024, 1)])
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (7, 32, 768, 2), (20, 16, 1024, 1)])
 def test_gemv_nvfp4(m, n, k, split):
     from ocriaquant.quant import nvfp4
     from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
@@ -73,6 +73,9 @@ def test_gemv_nvfp4(m, n, k, split):
     eye = torch.eye(16, k, dtype=torch.bfloat16, device=DEV)
     cols = gemv_nvfp4(eye, packed, scales, gs, split_k=1)
     assert torch.equal(cols, nvfp4.dequantize(packed, scales, gs)[:, :16].T.contiguous())
+    # the M = 1 path (block sums, scales applied per block) gives the same columns
+    col0 = torch.cat([gemv_nvfp4(eye[j:j + 1], packed, scales, gs, split_k=1, path="fma") for j in range(4)])
+    assert torch.equal(col0, cols[:4])
 
 
 @pytest.mark.parametrize("m,i", [(1, 320), (6, 2048 + 64), (9, 96)])
@@ -157,3 +160,43 @@ def test_gdn_decode_two_steps_equal_transformers_recurrence():
         gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V,
                    out=torch.empty(1, HV * V, device=DEV))
         assert rel(inp["state"], state_tf.transpose(-1, -2)) <= 1e-4
+
+
+@pytest.mark.parametrize("heads,kvh,hd,max_len", [(8, 2, 32, 600), (4, 4, 64, 300)])
+def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
+    """Split-sequence decode attention against float64 softmax over each row's visible prefix:
+    rows at length 0, inside the first chunk, across chunks and at the last position."""
+    from ocriaquant.runtime.kernels import attn_decode, attn_decode_ref
+
+    torch.manual_seed(heads + max_len)
+    kc = torch.randn(5, kvh, max_len, hd, dtype=torch.bfloat16, device=DEV)
+    vc = torch.randn_like(kc)
+    q = torch.randn(4, heads, hd, dtype=torch.bfloat16, device=DEV)
+    slots = torch.tensor([3, 0, 4, 1], dtype=torch.int32, device=DEV)
+    lengths = torch.tensor([0, 100, max_len - 1, 257], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    attn_decode(q, kc, vc, slots, lengths, hd**-0.5, out=out)
+    want = attn_decode_ref(q, kc, vc, slots, lengths, hd**-0.5)
+    assert not out.isnan().any()
+    assert rel(out, want) <= 1e-2
+    # a row sees nothing past its length: changing later cache positions leaves it unchanged
+    kc[0, :, 101:] = 100.0
+    again = attn_decode(q, kc, vc, slots, lengths, hd**-0.5)
+    assert torch.equal(again[1], out[1])
+
+
+@pytest.mark.parametrize("b,d", [(3, 160), (1, 2560)])
+def test_add_rmsnorm_matches_torch_ops(b, d):
+    """The fused residual add + RMSNorm gives the torch ops' BF16 sum exactly and their norm
+    to within one BF16 rounding (fp32 sums in another order)."""
+    from ocriaquant.runtime.kernels import add_rmsnorm, add_rmsnorm_ref
+
+    torch.manual_seed(d)
+    x, h = (torch.randn(b, d, device=DEV) * 3).bfloat16(), torch.randn(b, d, device=DEV).bfloat16()
+    w = (torch.randn(d, device=DEV) * 0.1).bfloat16()
+    r, y = add_rmsnorm(x, h, w, 1e-6)
+    r_ref, y_ref = add_rmsnorm_ref(x, h, w, 1e-6)
+    assert torch.equal(r, r_ref)
+    assert rel(y, y_ref) <= 4e-3 and float((y == y_ref).float().mean()) >= 0.98
+    r2, y2 = add_rmsnorm(x, None, w, 1e-6)
+    assert r2 is x and rel(y2, add_rmsnorm_ref(x, None, w, 1e-6)[1]) <= 4e-3

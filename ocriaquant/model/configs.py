@@ -82,3 +82,14 @@ def qwen35_08b_config() -> Qwen3_5Config:
 
 
 SHAPES = {"qwen3.5-4b": qwen35_4b_config, "qwen3.5-0.8b": qwen35_08b_config}
+
+
+def use_tokenizer_ids(config: Qwen3_5Config, tok) -> Qwen3_5Config:
+    """The real shapes carry Qwen's 248k-vocab special ids; point them at `tok`'s (the byte
+    tokenizer of random-weight benches), so its processor's image tokens are the model's."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                      "<|vision_end|>", "<|im_end|>")}
+    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    config.text_config.eos_token_id, config.text_config.pad_token_id = ids["<|im_end|>"], 0
+    return config

@@ -4,10 +4,10 @@ sequences leave and waiting ones join between steps)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-import torch
 
 from ..data.page import Page
 from ..model.load import resolve_model_dir
@@ -21,14 +21,18 @@ class Result:
     rid: int
     text: str
     tokens: list[int]
+    seconds: float = 0.0  # admission (prefill start) to last token
 
 
 class Engine:
     def __init__(self, checkpoint, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
-                 backend: str = "torch"):
-        self.model = RuntimeModel(checkpoint, device=device, max_slots=max_slots, max_len=max_len, backend=backend)
-        self.processor = load_processor(resolve_model_dir(checkpoint))
+                 backend: str = "torch", model: RuntimeModel | None = None, processor=None):
+        """From a checkpoint directory, or from a built `model` and `processor` (bench)."""
+        self.model = model or RuntimeModel(checkpoint, device=device, max_slots=max_slots, max_len=max_len,
+                                           backend=backend)
+        self.processor = processor or load_processor(resolve_model_dir(checkpoint))
         tok = self.processor.tokenizer
+        self._stop_at_eos = True
         self.eos = {tok.convert_tokens_to_ids("<|im_end|>")}
         if tok.eos_token_id is not None:
             self.eos.add(tok.eos_token_id)
@@ -38,16 +42,19 @@ class Engine:
         return dict(enc)
 
     def generate(self, requests: Iterable[dict | tuple[dict, int]], max_new_tokens: int = 512,
-                 max_batch: int | None = None, on_step: Callable[[int], None] | None = None) -> Iterator[Result]:
+                 max_batch: int | None = None, on_step: Callable[[int], None] | None = None,
+                 stop_at_eos: bool = True) -> Iterator[Result]:
         """Greedy-decode encoded requests (or (request, its own max_new_tokens) pairs); yields
-        results as sequences finish, in any order (`rid` is the request's index)."""
+        results as sequences finish, in any order (`rid` is the request's index). With
+        stop_at_eos False every request runs to its token limit (benchmarks)."""
+        self._stop_at_eos = stop_at_eos
         sched = Scheduler(self.model.max_slots, max_batch)
         for rid, req in enumerate(requests):
             enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
             sched.add(Sequence(rid, enc, limit))
-        dev = self.model.device
         while not sched.idle:
             for seq in sched.admit():
+                seq.t_admit = time.perf_counter()
                 logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
                 seq.length = seq.enc["input_ids"].shape[1]
                 self._append(seq, int(logits.argmax()))
@@ -55,10 +62,8 @@ class Engine:
             run = sched.running
             if not run:
                 continue
-            logits = self.model.decode(torch.tensor([s.tokens[-1] for s in run], device=dev),
-                                       torch.tensor([s.slot for s in run], device=dev),
-                                       torch.tensor([s.length for s in run], device=dev),
-                                       torch.tensor([s.delta for s in run], device=dev))
+            logits = self.model.decode_step([s.tokens[-1] for s in run], [s.slot for s in run],
+                                            [s.length for s in run], [s.delta for s in run])
             for seq, nxt in zip(run, logits.argmax(-1).tolist()):
                 seq.length += 1
                 self._append(seq, nxt)
@@ -69,9 +74,10 @@ class Engine:
     def _finished(self, sched: Scheduler) -> Iterator[Result]:
         tok = self.processor.tokenizer
         for seq in sched.retire():
-            yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens)
+            yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens,
+                         time.perf_counter() - seq.t_admit)
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
-        if token in self.eos or len(seq.tokens) >= seq.max_new_tokens:
+        if (self._stop_at_eos and token in self.eos) or len(seq.tokens) >= seq.max_new_tokens:
             seq.done = True

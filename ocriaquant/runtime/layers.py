@@ -16,6 +16,8 @@ attention KV cache [slots, KV heads, max_len, head_dim].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,18 @@ from torch import nn
 from ..quant import fp8, nvfp4
 
 KINDS = ("bf16", "fp8", "nvfp4", "nvfp4_w4a4")
+
+
+@dataclass
+class Step:
+    """Per-step batch metadata, built once per decode step and shared by every layer."""
+    slots: torch.Tensor          # int64 [B]
+    lengths: torch.Tensor        # int64 [B]: tokens already cached = position of the new token
+    cos: torch.Tensor            # [B, rot] M-RoPE
+    sin: torch.Tensor
+    slots32: torch.Tensor        # int32 copies, what the kernels take
+    lengths32: torch.Tensor
+    span: int = 0                # torch backend only: max(lengths) + 1 (a host sync)
 
 
 class QuantLinear(nn.Module):
@@ -58,11 +72,12 @@ class QuantLinear(nn.Module):
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """The GEMV kernels take decode-sized BF16 rows of a quantized weight; all else is torch."""
-        return self.triton and self.kind != "bf16" and x.ndim == 2 and x.shape[0] <= 64 and x.dtype == torch.bfloat16
+        return (self.triton and self.kind != "bf16" and x.ndim >= 2 and x.numel() // x.shape[-1] <= 64
+                and x.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_kernels(x):
-            return self.forward_kernels(x)
+            return self.forward_kernels(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
@@ -80,6 +95,49 @@ class QuantLinear(nn.Module):
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale)
+
+    @classmethod
+    def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":
+        """One Linear whose output rows are the parts' rows, or None when they cannot share a
+        kernel: different formats, or NVFP4 parts with different global scales (export gives
+        fused units one; concatenating others would change their values)."""
+        kind = parts[0].kind
+        if any(p.kind != kind for p in parts):
+            return None
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        if kind == "bf16":
+            fused = cls("bf16", cat("weight"), dtype=parts[0].weight.dtype)
+        elif kind == "fp8":
+            fused = cls("fp8", cat("w_q"), cat("w_scale"), dtype=parts[0].weight.dtype)
+        else:
+            gs = parts[0].w_global_scale
+            if any(not torch.equal(p.w_global_scale, gs) for p in parts) or any(
+                    (p.input_global_scale is None) != (parts[0].input_global_scale is None) or (
+                        p.input_global_scale is not None and not torch.equal(p.input_global_scale,
+                                                                             parts[0].input_global_scale))
+                    for p in parts):
+                return None
+            fused = cls(kind, cat("w_packed"), cat("w_scale"), gs, parts[0].input_global_scale,
+                        dtype=parts[0].weight.dtype)
+        fused.triton = parts[0].triton
+        return fused
+
+
+class FusedLinear(nn.Module):
+    """Several Linears of the same input run as one weight stream (q/k/v, gate/up, the GDN
+    input projections): one GEMV launch instead of several, the output split back as views."""
+
+    def __init__(self, linear: QuantLinear, sizes: list[int]):
+        super().__init__()
+        self.linear, self.sizes = linear, sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+    @classmethod
+    def of(cls, parts: list[QuantLinear]) -> "FusedLinear | None":
+        fused = QuantLinear.concat(parts)
+        return None if fused is None else cls(fused, [p.out_features for p in parts])
 
 
 class RMSNorm(nn.Module):
@@ -109,15 +167,22 @@ class MLP(nn.Module):
     def __init__(self, gate: QuantLinear, up: QuantLinear, down: QuantLinear):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+        self.gate_up = None  # FusedLinear, set by fuse() for the triton backend
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear.of([self.gate_proj, self.up_proj])
+        if self.gate_up is not None:  # the parts' weights now live in the fused one only
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         if down.kind == "fp8" and down.uses_kernels(x):
             from .kernels import silu_mul_quant
 
             # silu·mul and the per-token FP8 quantization down_proj needs, in one pass.
-            return down.forward_kernels(x, silu_mul_quant(self.gate_proj(x), self.up_proj(x), "fp8"))
-        return down(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8"))
+        return down(F.silu(gate) * up)
 
 
 def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -127,6 +192,22 @@ def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> to
     to a per-channel slow path (≈ 1 s per decode step of the bundled model, 96 % of it)."""
     y = (window.float() * weight.float()).sum(-1).to(window.dtype)
     return F.silu(y)
+
+
+def _chunk_rule(gpu_kernels: bool):
+    """The chunked gated delta rule for prefill: fla-core's Triton kernel when the triton
+    backend runs on a GPU and fla-core is installed (DESIGN.md allows it for prefill), else
+    transformers' torch function — the same math, what the torch backend must match."""
+    if gpu_kernels:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            return chunk_gated_delta_rule
+        except ImportError:
+            pass
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    return torch_chunk_gated_delta_rule
 
 
 class GatedDeltaNet(nn.Module):
@@ -146,66 +227,92 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("norm_weight", p["norm.weight"])
         self.conv_dim = 2 * self.H * self.K + self.HV * self.V
         self.kernel = self.conv_weight.shape[-1]
+        self.fused: list[tuple[FusedLinear, list[str]]] = []  # set by fuse() for the triton backend
+
+    _INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+
+    def fuse(self) -> None:
+        """All four input projections as one weight stream if they share a format, else
+        qkv+z and a+b."""
+        names = list(self._INPUTS)
+        for group in ([names] if FusedLinear.of([getattr(self, n) for n in names]) is not None
+                      else [names[:2], names[2:]]):
+            f = FusedLinear.of([getattr(self, n) for n in group])
+            if f is not None:
+                self.add_module("fused_" + "_".join(n[len("in_proj_"):] for n in group), f)
+                self.fused.append((f, group))
+                for n in group:
+                    delattr(self, n)
+
+    def _proj(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for f, group in self.fused:
+            out.update(zip(group, f(x)))
+        for n in self._INPUTS:
+            if n not in out:
+                out[n] = getattr(self, n)(x)
+        return out
 
     def alloc_state(self, slots: int, device, dtype) -> dict:
         return {"conv": torch.zeros(slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device),
                 "ssm": torch.zeros(slots, self.HV, self.V, self.K, dtype=torch.float32, device=device)}
 
-    def _qkv_gates(self, x, mixed):
+    def _qkv_gates(self, p, mixed):
         t = mixed.shape[:-1]
         q, k, v = torch.split(mixed, [self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
         q, k = q.reshape(*t, self.H, self.K), k.reshape(*t, self.H, self.K)
         v = v.reshape(*t, self.HV, self.V)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = p["in_proj_b"].sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(p["in_proj_a"].float() + self.dt_bias)
         if self.HV // self.H > 1:
             q = q.repeat_interleave(self.HV // self.H, dim=-2)
             k = k.repeat_interleave(self.HV // self.H, dim=-2)
         return q, k, v, g, beta
 
-    def _out(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        z = self.in_proj_z(x).reshape(-1, self.V)
+    def _out(self, core: torch.Tensor, x: torch.Tensor, p: dict) -> torch.Tensor:
+        z = p["in_proj_z"].reshape(-1, self.V)
         o = gated_rmsnorm(core.reshape(-1, self.V), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(*x.shape[:-1], -1))
 
     def prefill(self, x: torch.Tensor, state: dict, slot: int) -> torch.Tensor:
         """x [T, D] of one request -> [T, D]; writes the slot's conv and recurrent state."""
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-        mixed = self.in_proj_qkv(x).T  # [C, T]
+        p = self._proj(x)
+        mixed = p["in_proj_qkv"].T  # [C, T]
         padded = F.pad(mixed, (self.kernel - 1, 0))                                  # zero history
         state["conv"][slot].copy_(padded[:, -(self.kernel - 1):])
         mixed = depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None]).T  # [T, C]
-        q, k, v, g, beta = self._qkv_gates(x, mixed)
-        core, final = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
-                                                   initial_state=None, output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True)
+        q, k, v, g, beta = self._qkv_gates(p, mixed)
+        core, final = _chunk_rule(self.triton and x.is_cuda)(
+            q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=None, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
         state["ssm"][slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
-        return self._out(core[0], x)
+        return self._out(core[0].to(x.dtype), x, p)
 
     triton = False  # set by RuntimeModel(backend="triton")
 
-    def decode(self, x: torch.Tensor, state: dict, slots: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, state: dict, step: Step) -> torch.Tensor:
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place."""
+        p = self._proj(x)
         if self.triton:
             from .kernels import gdn_decode
 
-            o = gdn_decode(self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_a(x), self.in_proj_b(x),
-                           state["conv"], self.conv_weight, self.A_log, self.dt_bias, self.norm_weight,
-                           state["ssm"], slots.to(torch.int32), self.H, self.K, self.V, self.eps)
+            o = gdn_decode(p["in_proj_qkv"], p["in_proj_z"], p["in_proj_a"], p["in_proj_b"], state["conv"],
+                           self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, state["ssm"], step.slots32,
+                           self.H, self.K, self.V, self.eps)
             return self.out_proj(o)
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-        window = torch.cat([state["conv"][slots], self.in_proj_qkv(x)[:, :, None]], dim=-1)  # [B, C, kernel]
+        slots = step.slots
+        window = torch.cat([state["conv"][slots], p["in_proj_qkv"][:, :, None]], dim=-1)  # [B, C, kernel]
         state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())
         mixed = depthwise_causal_conv_silu(window, self.conv_weight)
-        q, k, v, g, beta = self._qkv_gates(x, mixed)
+        q, k, v, g, beta = self._qkv_gates(p, mixed)
         s = state["ssm"][slots].transpose(-1, -2)  # [B, HV, K, V] as transformers keeps it
         core, new = torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None],
                                                      beta=beta[:, None], initial_state=s, output_final_state=True,
                                                      use_qk_l2norm_in_kernel=True)
         state["ssm"].index_copy_(0, slots, new.transpose(-1, -2).contiguous())
-        return self._out(core[:, 0], x)
+        return self._out(core[:, 0], x, p)
 
 
 class Attention(nn.Module):
@@ -220,6 +327,12 @@ class Attention(nn.Module):
                                                                                     "o_proj"))
         self.q_norm = RMSNorm(p["q_norm.weight"], cfg.rms_norm_eps)
         self.k_norm = RMSNorm(p["k_norm.weight"], cfg.rms_norm_eps)
+        self.qkv_proj = None  # FusedLinear, set by fuse() for the triton backend
+
+    def fuse(self) -> None:
+        self.qkv_proj = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def alloc_state(self, slots: int, max_len: int, device, dtype) -> dict:
         shape = (slots, self.kv_heads, max_len, self.head_dim)
@@ -229,10 +342,11 @@ class Attention(nn.Module):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         t = x.shape[:-1]
-        q, gate = torch.chunk(self.q_proj(x).view(*t, -1, self.head_dim * 2), 2, dim=-1)
+        qg, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, gate = torch.chunk(qg.reshape(*t, -1, self.head_dim * 2), 2, dim=-1)
         q = self.q_norm(q).transpose(-2, -3)                                   # [.., heads, T, hd]
-        k = self.k_norm(self.k_proj(x).view(*t, -1, self.head_dim)).transpose(-2, -3)
-        v = self.v_proj(x).view(*t, -1, self.head_dim).transpose(-2, -3)
+        k = self.k_norm(k.reshape(*t, -1, self.head_dim)).transpose(-2, -3)
+        v = v.reshape(*t, -1, self.head_dim).transpose(-2, -3)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=-3)
         return q, k, v, gate.reshape(*t, -1)
 
@@ -245,12 +359,21 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
         return self.o_proj(o.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate))
 
-    def decode(self, x, state, slots: torch.Tensor, lengths: torch.Tensor, cos, sin, span: int):
-        """x [B, D]: one token per slot at position lengths[b] of its cache; cos/sin [B, rot];
-        span = max(lengths) + 1, the cache prefix any row can see (only that much is gathered)."""
-        q, k, v, gate = self._qkv(x[:, None], cos[:, None], sin[:, None])  # q [B, heads, 1, hd]
+    triton = False  # set by RuntimeModel(backend="triton")
+
+    def decode(self, x, state, step: Step):
+        """x [B, D]: one token per slot at position lengths[b] of its cache. The torch path
+        gathers only the prefix any row can see (step.span); the triton path reads the cache in
+        place (attn_decode), with no host sync, so the step can be a CUDA graph."""
+        q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]
+        slots, lengths, span = step.slots, step.lengths, step.span
         state["k"][slots, :, lengths] = k[:, :, 0]
         state["v"][slots, :, lengths] = v[:, :, 0]
+        if self.triton:
+            from .kernels import attn_decode
+
+            o = attn_decode(q[:, :, 0], state["k"], state["v"], step.slots32, step.lengths32, self.head_dim ** -0.5)
+            return self.o_proj(o.reshape(x.shape[0], -1) * torch.sigmoid(gate[:, 0]))
         keys, vals = state["k"][slots, :, :span], state["v"][slots, :, :span]  # [B, kv, span, hd]
         visible = torch.arange(span, device=x.device)[None, :] <= lengths[:, None]
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None, None, :], enable_gqa=True)

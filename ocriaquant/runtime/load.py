@@ -49,6 +49,16 @@ class TensorStore:
         return {k: self.get(k) for k in keys}
 
 
+class MemoryStore(TensorStore):
+    """The same interface over tensors already in memory (bench's random-weight shapes)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], label: str):
+        self.tensors, self.where, self.model_dir = tensors, dict.fromkeys(tensors, None), Path(label)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
 def quant_schemes(cfg: dict) -> dict[str, str]:
     """Module name -> kind (fp8 / nvfp4 / nvfp4_w4a4) from a compressed-tensors config; an
     unsupported scheme is an error naming the group."""
@@ -99,4 +109,4 @@ def open_checkpoint(path) -> tuple[Path, dict, TensorStore, dict[str, str]]:
     return model_dir, cfg, TensorStore(model_dir), quant_schemes(cfg)
 
 
-__all__ = ["TensorStore", "open_checkpoint", "quant_schemes", "read_linear", "TEXT"]
+__all__ = ["MemoryStore", "TensorStore", "open_checkpoint", "quant_schemes", "read_linear", "TEXT"]

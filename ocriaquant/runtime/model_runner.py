@@ -1,6 +1,10 @@
 """The model runner: our Qwen3.5 text decoder over per-slot state buffers, plus transformers'
-vision tower in BF16. Two entry points: `prefill` one request into a slot, `decode` one token
-for a batch of slots."""
+vision tower in BF16. Entry points: `prefill` one request into a slot, `decode` one token for
+a batch of slots (tensors), and `decode_step` (host lists; what the engine calls), which on a
+GPU with the triton backend replays a CUDA graph captured per batch bucket.
+
+One slot more than max_slots is allocated: the sentinel, where the padded rows of a bucket
+write their (ignored) KV entries and GDN state."""
 
 from __future__ import annotations
 
@@ -8,8 +12,10 @@ import torch
 from torch import nn
 
 from ..errors import OcriaError
-from .layers import MLP, Attention, GatedDeltaNet, RMSNorm
+from .layers import MLP, Attention, GatedDeltaNet, RMSNorm, Step
 from .load import TEXT, open_checkpoint, read_linear
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # CUDA-graph batch sizes; the GEMVs take M <= 64
 
 
 class _RopeIndex:
@@ -34,13 +40,20 @@ class RuntimeModel(nn.Module):
     forms and the fp32 GDN recurrent state."""
 
     def __init__(self, path, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
-                 dtype: torch.dtype = torch.bfloat16, backend: str = "torch"):
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "torch", cuda_graphs: bool = True,
+                 source: tuple | None = None):
+        """`source` = (config, TensorStore-like, kinds) builds from tensors in memory instead of
+        `path` (ocriaquant bench's random-weight shapes)."""
         super().__init__()
         from transformers import Qwen3_5Config
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, Qwen3_5VisionModel
 
-        model_dir, _, store, kinds = open_checkpoint(path)
-        self.config = Qwen3_5Config.from_pretrained(model_dir)
+        if source is None:
+            model_dir, _, store, kinds = open_checkpoint(path)
+            self.config = Qwen3_5Config.from_pretrained(model_dir)
+        else:
+            self.config, store, kinds = source
+            model_dir = store.model_dir
         tc = self.config.text_config
         self.dtype, self.max_slots, self.max_len = dtype, max_slots, max_len
 
@@ -96,11 +109,20 @@ class RuntimeModel(nn.Module):
         for m in self.modules():
             if hasattr(type(m), "triton"):
                 m.triton = backend == "triton"
+        if backend == "triton":  # one weight stream per input: qkv(+z, a, b), gate+up
+            for layer in self.layers:
+                layer.mixer.fuse()
+                layer.mlp.fuse()
         self.backend = backend
         self.to(device)
         self.device = torch.device(device)
-        self.state = [layer.mixer.alloc_state(max_slots, max_len, self.device, dtype) if isinstance(layer.mixer, Attention)
-                      else layer.mixer.alloc_state(max_slots, self.device, dtype) for layer in self.layers]
+        self.sentinel = max_slots
+        self.state = [layer.mixer.alloc_state(max_slots + 1, max_len, self.device, dtype)
+                      if isinstance(layer.mixer, Attention) else layer.mixer.alloc_state(max_slots + 1, self.device, dtype)
+                      for layer in self.layers]
+        self.use_graphs = cuda_graphs and backend == "triton" and self.device.type == "cuda"
+        self._graphs: dict[int, tuple] = {}
+        self._pool = None
         self.eval()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,19 +168,65 @@ class RuntimeModel(nn.Module):
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                deltas: torch.Tensor) -> torch.Tensor:
         """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all
-        [B]. Returns logits [B, vocab]."""
-        span = int(lengths.max()) + 1  # one host sync a step, shared by every attention layer
-        if span > self.max_len:
-            raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        [B] on the device. Returns logits [B, vocab]. Runs eagerly."""
+        span = 0
+        if self.backend == "torch":
+            span = int(lengths.max()) + 1  # one host sync a step, shared by every attention layer
+            if span > self.max_len:
+                raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        cos, sin = self._rope((lengths + deltas)[None].expand(3, -1))
+        step = Step(slots, lengths, cos, sin, slots.to(torch.int32), lengths.to(torch.int32), span)
         x = self.embed(tokens)
-        pos = (lengths + deltas)[None].expand(3, -1)
-        cos, sin = self._rope(pos)
+        if self.backend == "triton":  # each residual add fused with the norm after it
+            from .kernels import add_rmsnorm
+
+            h = None
+            for layer, st in zip(self.layers, self.state):
+                x, n = add_rmsnorm(x, h, layer.input_layernorm.weight, layer.input_layernorm.eps)
+                h = layer.mixer.decode(n, st, step)
+                x, n = add_rmsnorm(x, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+                h = layer.mlp(n)
+            return self.lm_head(add_rmsnorm(x, h, self.norm.weight, self.norm.eps)[1])
         for layer, st in zip(self.layers, self.state):
-            h = layer.input_layernorm(x)
-            if isinstance(layer.mixer, Attention):
-                h = layer.mixer.decode(h, st, slots, lengths, cos, sin, span)
-            else:
-                h = layer.mixer.decode(h, st, slots)
-            x = x + h
+            x = x + layer.mixer.decode(layer.input_layernorm(x), st, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def decode_step(self, tokens: list[int], slots: list[int], lengths: list[int], deltas: list[int]) -> torch.Tensor:
+        """decode() from host lists with one host-to-device copy; with CUDA graphs, the batch is
+        padded to the next bucket (rows on the sentinel slot) and the bucket's graph replayed.
+        Returns logits [B, vocab] (a view of the graph's output: read it before the next step)."""
+        n = len(tokens)
+        if lengths and max(lengths) >= self.max_len:
+            raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        bucket = next((b for b in BUCKETS if b >= n), None)
+        if not self.use_graphs or bucket is None:
+            meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
+            return self.decode(*meta)
+        graph, meta, out = self._graph(bucket)
+        pad = bucket - n
+        host = torch.tensor([tokens + [0] * pad, slots + [self.sentinel] * pad, lengths + [0] * pad,
+                             deltas + [0] * pad], dtype=torch.long).pin_memory()
+        meta.copy_(host, non_blocking=True)
+        graph.replay()
+        return out[:n]
+
+    def _graph(self, bucket: int):
+        """Capture (once) the decode step for `bucket` rows. Warm-up and capture run with every
+        row on the sentinel slot, so they touch no real sequence's state."""
+        if bucket not in self._graphs:
+            meta = torch.zeros(4, bucket, dtype=torch.long, device=self.device)
+            meta[1] = self.sentinel
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compile the kernels and allocate their workspaces outside the graph
+                for _ in range(2):
+                    self.decode(*meta)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.decode(*meta)
+            self._pool = graph.pool()  # one memory pool for all buckets: they never replay at once
+            self._graphs[bucket] = (graph, meta, out)
+        return self._graphs[bucket]

@@ -16,6 +16,7 @@ class Sequence:
     delta: int = 0                 # M-RoPE offset of decode positions
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    t_admit: float = 0.0           # perf_counter at admission, for latency
 
 
 class Scheduler:

@@ -36,7 +36,9 @@ def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: t
     win = tl.where(j[None, :] == KW - 1, x[:, None], st)
     w = tl.load(cw_ptr + chan[:, None] * KW + j[None, :], mask=n_ok[:, None] & (j[None, :] < KW), other=0.0)
     y = tl.sum(win * w.to(tl.float32), 1)
-    # New state = window shifted left by one: tap j (1..KW-1) goes to position j-1.
+    # New state = window shifted left by one: tap j (1..KW-1) goes to position j-1. Other
+    # threads of this program may still have to read those positions: all loads first.
+    tl.debug_barrier()
     new_mask = n_ok[:, None] & (j[None, :] >= 1) & (j[None, :] < KW) & valid
     tl.store(cs_ptr + chan[:, None] * cs_stride_c + (j[None, :] - 1), win.to(cs_ptr.dtype.element_ty), mask=new_mask)
     return y / (1.0 + tl.exp(-y))

@@ -70,11 +70,11 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
         x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     # compressed-tensors computes the scale in the activation dtype (bf16): round it there.
-    scale = round_bf16(tl.max(amax, 0) / FP8_MAX)
+    scale = round_bf16(tl.math.div_rn(tl.max(amax, 0), FP8_MAX))  # IEEE division, as torch's
     scale = tl.where(scale == 0.0, 0.0078125, scale)  # bf16 eps, as compressed-tensors
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        v = round_bf16(x / scale)
+        v = round_bf16(tl.math.div_rn(x, scale))
         v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * K + k0 + rk, e4m3_bits(v).to(tl.uint8), mask=k0 + rk < K)
     tl.store(s_ptr + row, scale)

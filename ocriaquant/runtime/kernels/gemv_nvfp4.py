@@ -77,11 +77,51 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
     store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
 
 
+@triton.jit
+def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
+                          stride_sn, K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
+    and forces the decoded weights through a shared-memory layout change. Here the tile is
+    [BN rows, BK/16 blocks, 16 weights] as it lies in memory (one thread owns a block's 8
+    bytes), the 16 products of a block are summed in registers, the block scale multiplies
+    the block's sum, not each weight, and the global scale multiplies the row's total once."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NB: tl.constexpr = BK // 16
+    rn = pid_n * BN + tl.arange(0, BN)
+    rb = tl.arange(0, NB)
+    rj = tl.arange(0, 8)
+    r16 = tl.arange(0, 16)
+    nmask = rn < N
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
+        kb = k0 // 16 + rb                                   # block index along K
+        bmask = nmask[:, None] & (kb[None, :] < K // 16)
+        p = tl.load(w_ptr + rn[:, None, None] * stride_wn + (kb[None, :, None] * 8 + rj[None, None, :]),
+                    mask=bmask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int16)
+        w = tl.reshape(tl.join(_e2m1_times_2m14(p & 15), _e2m1_times_2m14((p >> 4) & 15)), (BN, NB, 16))
+        x = tl.load(x_ptr + kb[:, None] * 16 + r16[None, :], mask=(kb < K // 16)[:, None], other=0.0)
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], 2)   # [BN, NB] block sums
+        s_off = rn[:, None] * stride_sn + kb[None, :]
+        if INTERPRET:
+            s = e4m3_value(tl.load(sc_ptr + s_off, mask=bmask, other=0).to(tl.int32))
+        else:
+            s = tl.load(sc8_ptr + s_off, mask=bmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc += part * s
+    y = tl.sum(acc, 1) * (16384.0 / tl.load(gs_ptr))
+    if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
+        y = round_bf16(y)
+    store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+
+
 def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
-               split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+               split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+               path: str = "auto") -> torch.Tensor:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
-    -> bf16 [M, N]."""
+    -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1)."""
     m, k = x.shape
     n = w_packed.shape[0]
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
@@ -91,11 +131,21 @@ def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w
         raise ValueError(f"gemv_nvfp4 is for decode (M <= 64), got M={m}; dequantize and use a GEMM above that")
     if k % block_k:
         block_k = 64 if k % 64 == 0 else 32
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if path == "fma" or (path == "auto" and m == 1):
+        if m != 1:
+            raise ValueError(f"gemv_nvfp4: the fma path is for M = 1, got M={m}")
+        _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
+        _gemv_nvfp4_m1_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale,
+                                    w_global_scale.reshape(1).float(), out, ws, tick, n, k, w_packed.stride(0),
+                                    w_scale.stride(0), k_per, BN=block_n, BK=block_k, SPLIT_K=grid[1],
+                                    num_warps=num_warps, num_stages=num_stages, INTERPRET=interp)
+        return out
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
                                         out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
                                         k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
-                                        num_stages=num_stages, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
+                                        num_stages=num_stages, INTERPRET=interp)
     return out
 
 

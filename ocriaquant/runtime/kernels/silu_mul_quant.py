@@ -41,12 +41,12 @@ def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOC
         m = k0 + r < I
         h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
         amax = tl.maximum(amax, tl.abs(h))
-    scale = round_bf16(tl.max(amax, 0) / FP8_MAX)
+    scale = round_bf16(tl.math.div_rn(tl.max(amax, 0), FP8_MAX))
     scale = tl.where(scale == 0.0, 0.0078125, scale)  # bf16 eps, as compressed-tensors
     for k0 in range(0, I, BLOCK):
         m = k0 + r < I
         h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
-        v = round_bf16(h / scale)
+        v = round_bf16(tl.math.div_rn(h, scale))
         v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row * I + k0 + r, e4m3_bits(v).to(tl.uint8), mask=m)
     tl.store(s_ptr + row, scale)
@@ -60,12 +60,12 @@ def _silu_mul_nvfp4_kernel(g_ptr, u_ptr, p_ptr, sc_ptr, gs_ptr, I, stride_g, str
     for k0 in range(0, I, BLOCK):
         m = k0 + r < I
         h = tl.reshape(_silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m), (BLOCK // 16, 16))
-        local = round_bf16(tl.max(tl.abs(h), 1) / 6.0)
+        local = round_bf16(tl.math.div_rn(tl.max(tl.abs(h), 1), 6.0))
         sc_bits = e4m3_bits(tl.minimum(gs * local, FP8_MAX))
         sc = e4m3_value(sc_bits)
         sc_bits = tl.where(sc == 0.0, 0x20, sc_bits)  # 0.125, compressed-tensors' zero-scale eps
         sc = tl.where(sc == 0.0, 0.125, sc)
-        v = h / (sc / gs)[:, None]
+        v = tl.math.div_rn(h, tl.math.div_rn(sc, gs)[:, None])  # IEEE division, as torch's
         a = tl.abs(v)
         idx = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)

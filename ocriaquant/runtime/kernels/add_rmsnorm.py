@@ -1,0 +1,59 @@
+"""Residual add + Qwen3.5's RMSNorm in one pass: r = x + h (BF16, as the torch residual add
+rounds it), y = r / rms(r) · (1 + w) in fp32, cast back.
+
+In a decode step at batch 1 every op is tiny, so the step costs launches, not bytes: the torch
+norm is ~7 kernels (cast, square, mean, rsqrt, two multiplies, cast) plus the add, twice per
+layer. This is one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import round_bf16
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, D, eps, stride_x, stride_h, stride_r, stride_y,
+                        HAS_H: tl.constexpr, BD: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0)
+    rd = tl.arange(0, BD)
+    m = rd < D
+    r = tl.load(x_ptr + row * stride_x + rd, mask=m, other=0.0).to(tl.float32)
+    if HAS_H:
+        r = r + tl.load(h_ptr + row * stride_h + rd, mask=m, other=0.0).to(tl.float32)
+        # the residual stream is BF16: round the sum as torch's bf16 add does (the interpreter's
+        # own cast truncates, see rounding.py)
+        r = round_bf16(r) if INTERPRET else r.to(tl.bfloat16).to(tl.float32)
+        tl.store(r_ptr + row * stride_r + rd, r.to(r_ptr.dtype.element_ty), mask=m)
+    y = r * tl.rsqrt(tl.sum(r * r, 0) / D + eps) * (1.0 + tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32))
+    if INTERPRET:
+        y = round_bf16(y)
+    tl.store(y_ptr + row * stride_y + rd, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """x, h bf16 [B, D] (h None: norm only), weight [D] -> (r = x + h, rmsnorm(r)). With h None
+    r is x itself."""
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        raise ValueError(f"add_rmsnorm: x must be bf16 with contiguous rows, got {x.dtype} {tuple(x.stride())}")
+    b, d = x.shape
+    y = torch.empty_like(x)
+    r = torch.empty_like(x) if h is not None else x
+    hh = h if h is not None else x
+    _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, d, eps, x.stride(0), hh.stride(0), r.stride(0), y.stride(0),
+                              HAS_H=h is not None, BD=triton.next_power_of_2(d),
+                              INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
+    return r, y
+
+
+def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """The torch ops the runtime's torch backend runs (layers.RMSNorm after a bf16 add)."""
+    r = x + h if h is not None else x
+    t = r.float()
+    t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+    return r, (t * (1.0 + weight.float())).type_as(r)

@@ -1,0 +1,132 @@
+"""Decode attention over the static per-slot KV cache: one new query token per batch row,
+split along the sequence (flash-decoding), GQA, no gather.
+
+The torch path gathers each row's cache prefix (`k[slots, :, :span]`) and needs `span` =
+max(lengths) + 1 on the host: a copy of every visible key and value each step, and a host
+sync that a CUDA graph cannot hold. Here every (row, KV head, chunk of CHUNK positions) is one
+program reading its slot's cache in place; the grid depends only on max_len, so one launch
+shape serves every step and the decode step can be captured. A chunk past the row's length
+does no work. A second launch merges the chunks' partial softmaxes (max, sum, weighted values).
+
+Layouts: q [B, heads, hd]; cache [slots, KV heads, max_len, hd] (hd contiguous); slots and
+lengths int32 [B] — `lengths[b]` is the position of the new token, already written to the
+cache, so positions 0..lengths[b] are visible. Padded rows point at a sentinel slot with
+length 0: they read one position of it and their output is ignored.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
+
+
+@triton.jit
+def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qh,
+                       c_stride_slot, c_stride_h, c_stride_t, scale, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
+                       HD: tl.constexpr, BT: tl.constexpr, CHUNK_: tl.constexpr, INTERPRET: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    last = tl.load(len_ptr + b)
+    rg = tl.arange(0, GP)
+    rd = tl.arange(0, HD)
+    rt = tl.arange(0, BT)
+    gmask = rg < G
+    q = tl.load(q_ptr + b * stride_qb + (kvh * G + rg)[:, None] * stride_qh + rd[None, :], mask=gmask[:, None],
+                other=0.0)
+    if INTERPRET:  # the interpreter's tl.dot is only trusted in fp32 (rounding.py)
+        q = q.to(tl.float32)
+    base = slot * c_stride_slot + kvh * c_stride_h
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, HD), tl.float32)
+    start = sp * CHUNK_
+    end = tl.minimum(start + CHUNK_, last + 1)
+    for t0 in range(start, end, BT):
+        t = t0 + rt
+        tmask = t < end
+        offs = base + t[:, None] * c_stride_t + rd[None, :]
+        k = tl.load(k_ptr + offs, mask=tmask[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=tmask[:, None], other=0.0)
+        if INTERPRET:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if INTERPRET:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        else:  # P in the cache dtype for the tensor cores, as flash attention does
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    pidx = (b * tl.num_programs(1) * G + kvh * G + rg) * NSPLIT + sp  # partials are [B, heads, NSPLIT]
+    tl.store(pm_ptr + pidx, m_i, mask=gmask)
+    tl.store(pl_ptr + pidx, l_i, mask=gmask)
+    tl.store(po_ptr + pidx[:, None] * HD + rd[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, NSPLIT, HEADS,
+                       HD: tl.constexpr, SP: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rs = tl.arange(0, SP)
+    rd = tl.arange(0, HD)
+    base = (b * HEADS + h) * NSPLIT
+    smask = rs < NSPLIT
+    m = tl.load(pm_ptr + base + rs, mask=smask, other=float("-inf"))
+    mx = tl.max(m, 0)  # chunk 0 always holds position 0, so mx is finite
+    w = tl.where(smask & (m > float("-inf")), tl.exp(m - mx), 0.0)
+    l = tl.sum(w * tl.load(pl_ptr + base + rs, mask=smask, other=0.0), 0)
+    o = tl.load(po_ptr + (base + rs)[:, None] * HD + rd[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / l
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
+
+
+def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, heads, hd]; k/v cache [slots, KV heads, max_len, hd]; slots, lengths int32 [B]
+    -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b]."""
+    bsz, heads, hd = q.shape
+    _, kvh, max_len, hd_c = k_cache.shape
+    if hd_c != hd or heads % kvh or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"attn_decode: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} "
+                         "(head dim, GQA groups, contiguous head dim, same k/v strides)")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    g = heads // kvh
+    nsplit = triton.cdiv(max_len, CHUNK)
+    dev = q.device
+    po = torch.empty(bsz, heads, nsplit, hd, dtype=torch.float32, device=dev)
+    pm = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
+    pl = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _attn_chunk_kernel[(bsz, kvh, nsplit)](
+        q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
+        BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=4)
+    out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
+    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, out.stride(0), out.stride(1), nsplit, heads, HD=hd,
+                                     SP=triton.next_power_of_2(nsplit), num_warps=4)
+    return out
+
+
+def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64):
+    """Plain torch, row by row in `dtype`: softmax over the visible prefix of the row's slot."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    g = q.shape[1] // k_cache.shape[1]
+    for i, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        k = k_cache[s, :, : n + 1].to(dtype).repeat_interleave(g, 0)  # [heads, n+1, hd]
+        v = v_cache[s, :, : n + 1].to(dtype).repeat_interleave(g, 0)
+        p = torch.softmax(torch.einsum("hd,htd->ht", q[i].to(dtype), k) * scale, -1)
+        out[i] = torch.einsum("ht,htd->hd", p, v)
+    return out

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.splitk import geometry
 from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
@@ -63,16 +64,6 @@ def graph_time_us(fn_list, reps: int = 30) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(fn_list))
     return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy through the SMs (bytes read + written per second). A same-dtype
-    `copy_` goes to cudaMemcpy, which the copy engines serve at a lower rate (2.77 TB/s seen
-    on an H200 against ~4.2 for a kernel), so copy with an elementwise kernel."""
-    x = torch.randn(2**29, dtype=torch.float32, device="cuda")  # 2 GiB
-    y = torch.empty_like(x)
-    us = graph_time_us([lambda: torch.mul(x, 1.0, out=y)] * 4)
-    return 2 * x.numel() * 4 / (us * 1e-6)
 
 
 def rel(a, b) -> float:
@@ -294,7 +285,7 @@ def main() -> None:
         print(msg, flush=True)
 
     gpu = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     log(f"{gpu}: device copy {bw / 1e12:.2f} TB/s")
     result = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "copy_tb_s": round(bw / 1e12, 3)}

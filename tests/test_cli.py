@@ -71,18 +71,14 @@ def test_bench_cpu_smoke_reports_every_row_and_counts_the_weights(tmp_path):
     (pages,) = rep["pages"]
     assert pages["pages"] == 3 and pages["concurrency"] == 2 and pages["p50_s"] <= pages["p90_s"]
     assert pages["tok_per_s"] > 0
-    model_dir = resolve_model_dir(None)
-    want = 0
-    for f in model_dir.glob("*.safetensors"):
+    tensors = {}
+    for f in resolve_model_dir(None).glob("*.safetensors"):
         with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                lm = k.startswith("model.language_model.layers.") and "proj" in k.rsplit(".", 2)[-2]
-                if lm or k == "lm_head.weight":
-                    want += h.get_tensor(k).nbytes
-    if not any(True for f in model_dir.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()
-               if k == "lm_head.weight"):  # tied head: the embedding is read as the head
-        with safe_open(str(next(model_dir.glob("*.safetensors"))), "pt") as h:
-            want += h.get_tensor("model.language_model.embed_tokens.weight").nbytes
+            tensors.update({k: h.get_tensor(k).nbytes for k in h.keys()})
+    want = sum(n for k, n in tensors.items()
+               if k.startswith("model.language_model.layers.") and "proj" in k.rsplit(".", 2)[-2])
+    # the head is lm_head, or the embedding when tied
+    want += tensors.get("lm_head.weight", tensors["model.language_model.embed_tokens.weight"])
     assert rep["decode"][0]["weights_bytes"] == want
 
 

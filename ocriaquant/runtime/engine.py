@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-
 from ..data.page import Page
 from ..model.load import resolve_model_dir
 from ..model.processor import chat_text, load_processor
@@ -32,7 +31,6 @@ class Engine:
                                            backend=backend)
         self.processor = processor or load_processor(resolve_model_dir(checkpoint))
         tok = self.processor.tokenizer
-        self._stop_at_eos = True
         self.eos = {tok.convert_tokens_to_ids("<|im_end|>")}
         if tok.eos_token_id is not None:
             self.eos.add(tok.eos_token_id)
@@ -47,7 +45,7 @@ class Engine:
         """Greedy-decode encoded requests (or (request, its own max_new_tokens) pairs); yields
         results as sequences finish, in any order (`rid` is the request's index). With
         stop_at_eos False every request runs to its token limit (benchmarks)."""
-        self._stop_at_eos = stop_at_eos
+        stops = self.eos if stop_at_eos else set()
         sched = Scheduler(self.model.max_slots, max_batch)
         for rid, req in enumerate(requests):
             enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
@@ -57,7 +55,7 @@ class Engine:
                 seq.t_admit = time.perf_counter()
                 logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
                 seq.length = seq.enc["input_ids"].shape[1]
-                self._append(seq, int(logits.argmax()))
+                self._append(seq, int(logits.argmax()), stops)
             yield from self._finished(sched)  # a request can end at its first token
             run = sched.running
             if not run:
@@ -66,7 +64,7 @@ class Engine:
                                             [s.length for s in run], [s.delta for s in run])
             for seq, nxt in zip(run, logits.argmax(-1).tolist()):
                 seq.length += 1
-                self._append(seq, nxt)
+                self._append(seq, nxt, stops)
             if on_step:
                 on_step(len(run))
             yield from self._finished(sched)
@@ -77,7 +75,8 @@ class Engine:
             yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens,
                          time.perf_counter() - seq.t_admit)
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    @staticmethod
+    def _append(seq: Sequence, token: int, stops: set[int]) -> None:
         seq.tokens.append(token)
-        if (self._stop_at_eos and token in self.eos) or len(seq.tokens) >= seq.max_new_tokens:
+        if token in stops or len(seq.tokens) >= seq.max_new_tokens:
             seq.done = True

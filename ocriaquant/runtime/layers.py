@@ -235,9 +235,11 @@ class GatedDeltaNet(nn.Module):
         """All four input projections as one weight stream if they share a format, else
         qkv+z and a+b."""
         names = list(self._INPUTS)
-        for group in ([names] if FusedLinear.of([getattr(self, n) for n in names]) is not None
-                      else [names[:2], names[2:]]):
-            f = FusedLinear.of([getattr(self, n) for n in group])
+        def of(group):
+            return FusedLinear.of([getattr(self, n) for n in group]), group
+
+        whole = of(names)
+        for f, group in [whole] if whole[0] is not None else [of(names[:2]), of(names[2:])]:
             if f is not None:
                 self.add_module("fused_" + "_".join(n[len("in_proj_"):] for n in group), f)
                 self.fused.append((f, group))

@@ -2,8 +2,8 @@
 
     python scripts/bench_kernels.py --out bench_kernels.json --table latency_h200.json
 
-- gemv_fp8 / gemv_nvfp4 against cuBLAS BF16 (F.linear) and torch._scaled_mm (FP8, row-wise
-  scales), M = 1…64, on the 4B's fused and member shapes;
+- gemv_bf16 / gemv_fp8 / gemv_nvfp4 against cuBLAS BF16 (F.linear) and torch._scaled_mm (FP8,
+  row-wise scales), M = 1…64, on the 4B's fused and member shapes;
 - gdn_decode against fla-core's fused_recurrent_gated_delta_rule plus the transformers glue
   around it (conv update, split, gates, head repeat, gated RMSNorm), B = 1, 32, 64;
 - silu_mul_quant against the unfused torch sequence, M = 64, 256.
@@ -13,7 +13,7 @@ NaN-poisoned output. Times are medians of CUDA-graph replays, each replay cyclin
 weight copies that nothing is served from L2. Achieved bandwidth is reported against the
 device-to-device copy bandwidth measured in the same run. The latency table (what `ocriaquant
 search --latency-table` reads) takes, per shape, format and batch, what our runtime would run:
-our GEMV kernels for FP8/NVFP4, cuBLAS for BF16.
+our GEMV kernels for every format.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.splitk import geometry
-from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
+from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
                                         gemv_nvfp4_ref, quant_fp8_per_token, silu_mul_quant, silu_mul_quant_ref)
 
 L2_BYTES = 50 * 2**20
@@ -91,9 +91,12 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             x_q, x_s = quant_fp8_per_token(x)
             # Correctness, fresh inputs, poisoned outputs.
-            for fmt in ("fp8", "nvfp4"):
+            for fmt in ("bf16", "fp8", "nvfp4"):
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                if fmt == "fp8":
+                if fmt == "bf16":
+                    gemv_bf16(x, W[0], out=out)
+                    err = rel(out, gemv_bf16_ref(x, W[0]))
+                elif fmt == "fp8":
                     gemv_fp8(x_q, x_s, w_q, w_s, out=out)
                     err = rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s))
                 else:
@@ -114,37 +117,53 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
             except Exception as e:  # noqa: BLE001 - shapes _scaled_mm refuses are reported, not fatal
                 log(f"  _scaled_mm unavailable at M={m}: {type(e).__name__}: {str(e)[:80]}")
                 t["fp8 _scaled_mm"] = float("nan")
-            cfgs = [dict(block_n=bn, block_k=bk, num_warps=nw, split_k=sk) for bn, bk, nw in
-                    ((16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 8))
+            tiles = ((16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 8))
+            if m == 1:  # the CUDA-core path favours narrow, long tiles
+                tiles += ((16, 512, 4), (64, 256, 4), (64, 512, 8), (128, 256, 8), (8, 1024, 4))
+            cfgs = [dict(block_n=bn, block_k=bk, num_warps=nw, split_k=sk) for bn, bk, nw in tiles
                     for sk in (None, "x2")]
-            for fmt, fn in (("fp8", lambda i, c: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i], **c)),
+            for fmt, fn in (("bf16", lambda i, c: gemv_bf16(x, W[i], out=outs[i], **c)),
+                            ("fp8", lambda i, c: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i], **c)),
                             ("nvfp4", lambda i, c: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], **c))):
-                cands = cfgs if (fmt, n, k) not in best_cfg else [best_cfg[(fmt, n, k)]]
+                key = (fmt, n, k, m == 1)  # the M = 1 and tensor-core paths tune apart
+                cands = cfgs if key not in best_cfg else [best_cfg[key]]
+                if fmt == "nvfp4" and m == 1 and key not in best_cfg:  # and both nibble decoders
+                    cands = cands + [{**c, "ptx": False} for c in cfgs]
                 res = []
-                for c in cands:
+
+                def attempt(c):
                     if c.get("split_k") == "x2":  # twice the automatic split (more CTAs in flight)
                         c = {**c, "split_k": 2 * geometry(n, k, c["block_n"], c["block_k"], x.device)[1]}
                     try:
                         res.append((graph_time_us([lambda i=i, c=c: fn(i, c) for i in range(nc)]), c))
                     except Exception as e:  # noqa: BLE001
                         log(f"  {fmt} config {c} failed: {type(e).__name__}: {str(e)[:100]}")
+
+                for c in cands:
+                    attempt(c)
+                if not res:  # the tile that won at a smaller M does not fit this one: search again
+                    for c in cfgs:
+                        attempt(c)
                 us, c = min(res, key=lambda r: r[0])
-                best_cfg.setdefault((fmt, n, k), c)
+                best_cfg.setdefault(key, c)
                 t[f"{fmt} ours"] = us
             wbytes = {"bf16": n * k * 2, "fp8": n * k + n * 2, "nvfp4": n * k // 2 + n * k // 16}
             io = m * k * 2 + m * n * 2
             row = {"shape": name, "n": n, "k": k, "m": m, **{f"{kk} us": round(v, 2) for kk, v in t.items()}}
-            for fmt, key in (("bf16", "bf16 cuBLAS"), ("fp8", "fp8 ours"), ("nvfp4", "nvfp4 ours")):
-                row[f"{fmt} %bw"] = round(100 * (wbytes[fmt] + io) / (t[key] * 1e-6) / bw, 1)
+            for fmt, key in (("bf16", "bf16 cuBLAS"), ("bf16 ours", "bf16 ours"), ("fp8", "fp8 ours"),
+                             ("nvfp4", "nvfp4 ours")):
+                row[f"{fmt} %bw"] = round(100 * (wbytes[fmt.split()[0]] + io) / (t[key] * 1e-6) / bw, 1)
+            row["bf16 ours vs cuBLAS"] = round(t["bf16 cuBLAS"] / t["bf16 ours"], 2)
             row["fp8 vs cuBLAS"] = round(t["bf16 cuBLAS"] / t["fp8 ours"], 2)
             row["nvfp4 vs cuBLAS"] = round(t["bf16 cuBLAS"] / t["nvfp4 ours"], 2)
             row["fp8 vs _scaled_mm"] = round(t["fp8 _scaled_mm"] / t["fp8 ours"], 2)
-            row["config"] = {f: best_cfg[(f, n, k)] for f in ("fp8", "nvfp4")}
+            row["config"] = {f: best_cfg[(f, n, k, m == 1)] for f in ("bf16", "fp8", "nvfp4")}
             rows.append(row)
-            log(f"{name:28s} M={m:<3d} bf16 {t['bf16 cuBLAS']:8.1f}us ({row['bf16 %bw']:5.1f}%)  fp8 "
+            log(f"{name:28s} M={m:<3d} cuBLAS {t['bf16 cuBLAS']:8.1f}us ({row['bf16 %bw']:5.1f}%)  bf16 "
+                f"{t['bf16 ours']:8.1f}us ({row['bf16 ours %bw']:5.1f}%)  fp8 "
                 f"{t['fp8 ours']:8.1f}us ({row['fp8 %bw']:5.1f}%)  _scaled_mm {t['fp8 _scaled_mm']:8.1f}us  nvfp4 "
                 f"{t['nvfp4 ours']:8.1f}us ({row['nvfp4 %bw']:5.1f}%)")
-            for fmt, key in (("bf16", "bf16 cuBLAS"), ("fp8", "fp8 ours"), ("nvfp4", "nvfp4 ours")):
+            for fmt, key in (("bf16", "bf16 ours"), ("fp8", "fp8 ours"), ("nvfp4", "nvfp4 ours")):
                 table.append({"n": n, "k": k, "format": fmt, "batch": m, "us": round(t[key], 3)})
         del W, WQ, WP
         torch.cuda.empty_cache()
@@ -277,6 +296,8 @@ def main() -> None:
     ap.add_argument("--table", type=Path, default=Path("latency_h200.json"))
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--only", default="gemv,silu,gdn")
+    ap.add_argument("--shapes", default="all", choices=("all", "fused"),
+                    help="GEMV shapes: the fused units and their members (the latency table needs both), or fused only")
     args = ap.parse_args()
     torch.manual_seed(0)
     only = set(args.only.split(","))
@@ -297,7 +318,7 @@ def main() -> None:
         result["gdn_decode"] = bench_gdn(bw, log)
     if "gemv" in only:
         ms = [int(v) for v in args.batches.split(",")]
-        rows, table = bench_gemv({**FUSED, **MEMBERS}, ms, bw, log)
+        rows, table = bench_gemv({**FUSED, **MEMBERS} if args.shapes == "all" else FUSED, ms, bw, log)
         result["gemv"] = rows
         args.table.write_text(json.dumps({"gpu": gpu, "date": result["date"], "source": "scripts/bench_kernels.py",
                                           "entries": table}, indent=1))

@@ -73,9 +73,27 @@ def test_gemv_nvfp4(m, n, k, split):
     eye = torch.eye(16, k, dtype=torch.bfloat16, device=DEV)
     cols = gemv_nvfp4(eye, packed, scales, gs, split_k=1)
     assert torch.equal(cols, nvfp4.dequantize(packed, scales, gs)[:, :16].T.contiguous())
-    # the M = 1 path (block sums, scales applied per block) gives the same columns
-    col0 = torch.cat([gemv_nvfp4(eye[j:j + 1], packed, scales, gs, split_k=1, path="fma") for j in range(4)])
-    assert torch.equal(col0, cols[:4])
+    # the M = 1 path (word-wise decode, two nibbles per integer op) gives the same columns: all
+    # 16 positions of a block, both words and both halves of each word
+    col0 = torch.cat([gemv_nvfp4(eye[j:j + 1], packed, scales, gs, split_k=1, path="fma") for j in range(16)])
+    assert torch.equal(col0, cols)
+
+
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (6, 32, 768, 2), (17, 16, 512, 1)])
+def test_gemv_bf16(m, n, k, split):
+    from ocriaquant.runtime.kernels import gemv_bf16, gemv_bf16_ref
+
+    torch.manual_seed(m * 1000 + n + 2)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    for _ in range(2):
+        out = gemv_bf16(x, w, out=poisoned(m, n), split_k=split)
+        assert torch.isfinite(out).all()
+        assert rel(out, gemv_bf16_ref(x, w)) <= 1e-2
+    if m == 1:  # CUDA-core and tensor-core paths agree to fp32 summation order
+        assert rel(gemv_bf16(x, w, path="fma"), gemv_bf16(x, w, path="dot")) <= 1e-2
+    with pytest.raises(ValueError, match="M <= 64"):
+        gemv_bf16(torch.zeros(65, k, dtype=torch.bfloat16, device=DEV), w)
 
 
 @pytest.mark.parametrize("m,i", [(1, 320), (6, 2048 + 64), (9, 96)])
@@ -100,6 +118,9 @@ def test_silu_mul_quant(m, i):
     assert torch.equal(sc.view(torch.uint8), sc_ref.view(torch.uint8))
     assert torch.equal(p, p_ref)
 
+    # bf16: the product alone, what a W4A16 down_proj reads, equal to torch's two ops
+    assert torch.equal(silu_mul_quant(gate, up, "bf16", block=256), silu_mul_quant_ref(gate, up, "bf16"))
+
 
 def _gdn_inputs(bsz, slots, H, HV, K, V, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -114,8 +135,10 @@ def _gdn_inputs(bsz, slots, H, HV, K, V, seed):
                 norm_weight=r(V, scale=0.3) + 1, state=r(slots, HV, V, K, scale=0.2, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("H,HV,K,V", [(2, 4, 32, 32), (1, 1, 16, 64)])
-def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V):
+@pytest.mark.parametrize("H,HV,K,V,vb", [(2, 4, 32, 32, 1), (2, 4, 32, 32, 2), (1, 1, 16, 64, 4)])
+def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
+    """vb: V-blocks per value head; above 1 the o norm and the q/k conv shift go through the
+    per-key-head ticket (the last program does them)."""
     from ocriaquant.runtime.kernels import gdn_decode, gdn_decode_ref
 
     inp = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
@@ -123,7 +146,7 @@ def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V):
     out_ref, cs_ref, st_ref = gdn_decode_ref(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V)
     cs0, st0 = inp["conv_state"].clone(), inp["state"].clone()
     out = gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V,
-                     out=poisoned(4, HV * V, torch.float32))
+                     out=poisoned(4, HV * V, torch.float32), v_blocks=vb)
     assert rel(out, out_ref) <= 1e-3
     assert rel(inp["state"], st_ref) <= 1e-3
     assert torch.equal(inp["conv_state"], cs_ref)
@@ -183,6 +206,35 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     kc[0, :, 101:] = 100.0
     again = attn_decode(q, kc, vc, slots, lengths, hd**-0.5)
     assert torch.equal(again[1], out[1])
+    # the output gate (a strided view, as q_proj's interleaved q/gate output gives it)
+    qg = torch.randn(4, heads, 2 * hd, dtype=torch.bfloat16, device=DEV)
+    gated = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])
+    assert rel(gated, attn_decode_ref(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])) <= 1e-2
+
+
+@pytest.mark.parametrize("heads,kvh,hd,rot", [(4, 2, 32, 8), (16, 4, 256, 64)])
+def test_qk_norm_rope_equals_torch_ops(heads, kvh, hd, rot):
+    """q/k RMSNorm + RoPE + the cache write in one launch give the torch backend's bf16 values
+    exactly (the same roundings), from strided views of a fused q/gate + k + v output."""
+    from ocriaquant.runtime.kernels import qk_norm_rope, qk_norm_rope_ref
+
+    torch.manual_seed(heads + hd)
+    b, max_len = 3, 40
+    fused = torch.randn(b, heads * 2 * hd + 2 * kvh * hd, dtype=torch.bfloat16, device=DEV) * 2
+    qg, k, v = fused.split([heads * 2 * hd, kvh * hd, kvh * hd], dim=-1)
+    q = qg.reshape(b, heads, 2 * hd)[:, :, :hd]
+    qw, kw = (torch.randn(hd, dtype=torch.bfloat16, device=DEV) * 0.1 for _ in range(2))
+    ang = torch.randn(b, rot // 2, device=DEV) * 3
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    slots = torch.tensor([2, 0, 4], dtype=torch.int32, device=DEV)
+    lengths = torch.tensor([0, 17, max_len - 1], dtype=torch.int32, device=DEV)
+    caches = [torch.randn(5, kvh, max_len, hd, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    got = qk_norm_rope(q, k, v, qw, kw, 1e-6, cos, sin, *caches, slots, lengths)
+    want = qk_norm_rope_ref(q, k, v, qw, kw, 1e-6, cos, sin, *ref_caches, slots, lengths)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
 @pytest.mark.parametrize("b,d", [(3, 160), (1, 2560)])
@@ -200,3 +252,10 @@ def test_add_rmsnorm_matches_torch_ops(b, d):
     assert rel(y, y_ref) <= 4e-3 and float((y == y_ref).float().mean()) >= 0.98
     r2, y2 = add_rmsnorm(x, None, w, 1e-6)
     assert r2 is x and rel(y2, add_rmsnorm_ref(x, None, w, 1e-6)[1]) <= 4e-3
+    # fp8=True: the bf16 output is the same, and its FP8 codes and scale are quant_fp8_per_token's
+    from ocriaquant.runtime.kernels import quant_fp8_per_token
+
+    r3, y3, (q3, s3) = add_rmsnorm(x, h, w, 1e-6, fp8=True)
+    assert torch.equal(r3, r) and torch.equal(y3, y)
+    q_ref, s_ref = quant_fp8_per_token(y3)
+    assert torch.equal(s3, s_ref) and fp8_codes_match(q3, q_ref)

@@ -5,9 +5,10 @@ Backend `torch` is the reference path: every op is the one
 transformers runs, in the same dtype, so greedy tokens match transformers' (tests). The
 gated delta rule calls transformers' own torch functions (chunked for prefill, recurrent
 for decode): the same math, now fed from and written back to our slot buffers. Backend
-`triton` runs decode steps through runtime/kernels/: gdn_decode for the GDN layers, the
-weight-streaming GEMVs for FP8 / NVFP4 Linears (M <= 64), silu_mul_quant before an FP8
-down_proj. Prefill stays on the torch path.
+`triton` runs decode steps through runtime/kernels/: gdn_decode for the GDN layers,
+qk_norm_rope and attn_decode (output gate included) for attention, the weight-streaming
+GEMVs for every Linear (M <= 64), silu_mul_quant between gate/up and down_proj. Prefill
+stays on the torch path.
 
 State layouts (DESIGN.md): GDN recurrent state fp32 [slots, HV, V, K] — transformers keeps
 [.., K, V], so it is transposed on the way in and out —, conv state [slots, C, kernel-1],
@@ -67,17 +68,21 @@ class QuantLinear(nn.Module):
             w = nvfp4.dequantize(weight, scale, global_scale.reshape(1).float(), dtype)
         self.register_buffer("weight", w)
         self.out_features, self.in_features = w.shape
+        from .kernels.tiles import m1_tile
+
+        self.m1_tile = m1_tile(kind, *w.shape)  # the GEMV tile at batch 1 (kernels/tiles.py)
 
     triton = False  # set by RuntimeModel(backend="triton")
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
-        """The GEMV kernels take decode-sized BF16 rows of a quantized weight; all else is torch."""
-        return (self.triton and self.kind != "bf16" and x.ndim >= 2 and x.numel() // x.shape[-1] <= 64
-                and x.dtype == torch.bfloat16)
+        """The GEMV kernels take decode-sized BF16 rows (M <= 64); all else is torch."""
+        return self.triton and x.ndim >= 2 and x.numel() // x.shape[-1] <= 64 and x.dtype == torch.bfloat16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
+        """x_q: x already quantized per token (E4M3, scale), e.g. by add_rmsnorm; an FP8 Linear
+        on the kernel path uses it instead of quantizing x again, the others ignore it."""
         if self.uses_kernels(x):
-            return self.forward_kernels(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+            return self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q).reshape(*x.shape[:-1], -1)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
@@ -85,16 +90,23 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight)
 
     def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
-        """Decode (M <= 64) through the weight-streaming GEMVs; `x_q` = (E4M3, scale) when the
-        producer already quantized the activations (silu_mul_quant)."""
-        from .kernels import gemv_fp8, gemv_nvfp4, quant_fp8_per_token
+        """Decode (M <= 64): FP8 through gemv_fp8 at every M; BF16 and NVFP4 through their
+        weight-streaming GEMVs at M = 1, cuBLAS above. `x_q` = (E4M3, scale) when the producer
+        already quantized the activations (add_rmsnorm, silu_mul_quant)."""
+        from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
 
+        m = x.shape[0]
+        tile = self.m1_tile if m == 1 else {}
         if self.kind == "fp8":
             q, s = x_q if x_q is not None else quant_fp8_per_token(x.contiguous())
-            return gemv_fp8(q, s, self.w_q, self.w_scale)
+            return gemv_fp8(q, s, self.w_q, self.w_scale, **tile)
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
-        return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale)
+        if m > 1:  # BF16 and W4A16 above batch 1: cuBLAS on the dequantized weight was faster on the H200
+            return F.linear(x, self.weight)  # (BENCHMARKS.md: M = 8 and 64), and computes the same values
+        if self.kind == "bf16":
+            return gemv_bf16(x.contiguous(), self.weight, **tile)
+        return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale, **tile)
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":
@@ -131,8 +143,8 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.linear, self.sizes = linear, sizes
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.linear(x).split(self.sizes, dim=-1)
+    def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> tuple[torch.Tensor, ...]:
+        return self.linear(x, x_q).split(self.sizes, dim=-1)
 
     @classmethod
     def of(cls, parts: list[QuantLinear]) -> "FusedLinear | None":
@@ -174,14 +186,18 @@ class MLP(nn.Module):
         if self.gate_up is not None:  # the parts' weights now live in the fused one only
             del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_linears(self) -> list:
+        return [self.gate_up.linear] if self.gate_up is not None else [self.gate_proj, self.up_proj]
+
+    def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
         down = self.down_proj
-        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        if down.kind == "fp8" and down.uses_kernels(x):
+        gate, up = self.gate_up(x, x_q) if self.gate_up is not None else (self.gate_proj(x, x_q), self.up_proj(x, x_q))
+        if down.uses_kernels(x):
             from .kernels import silu_mul_quant
 
-            # silu·mul and the per-token FP8 quantization down_proj needs, in one pass.
-            return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8"))
+            if down.kind == "fp8":  # silu·mul and the per-token FP8 quantization down_proj needs, in one pass
+                return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8"))
+            return down.forward_kernels(silu_mul_quant(gate, up, "bf16"))
         return down(F.silu(gate) * up)
 
 
@@ -246,13 +262,16 @@ class GatedDeltaNet(nn.Module):
                 for n in group:
                     delattr(self, n)
 
-    def _proj(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def input_linears(self) -> list:
+        return [f.linear for f, _ in self.fused] + [getattr(self, n) for n in self._INPUTS if hasattr(self, n)]
+
+    def _proj(self, x: torch.Tensor, x_q: tuple | None = None) -> dict[str, torch.Tensor]:
         out = {}
         for f, group in self.fused:
-            out.update(zip(group, f(x)))
+            out.update(zip(group, f(x, x_q)))
         for n in self._INPUTS:
             if n not in out:
-                out[n] = getattr(self, n)(x)
+                out[n] = getattr(self, n)(x, x_q)
         return out
 
     def alloc_state(self, slots: int, device, dtype) -> dict:
@@ -292,9 +311,9 @@ class GatedDeltaNet(nn.Module):
 
     triton = False  # set by RuntimeModel(backend="triton")
 
-    def decode(self, x: torch.Tensor, state: dict, step: Step) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, state: dict, step: Step, x_q: tuple | None = None) -> torch.Tensor:
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place."""
-        p = self._proj(x)
+        p = self._proj(x, x_q)
         if self.triton:
             from .kernels import gdn_decode
 
@@ -331,6 +350,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(p["k_norm.weight"], cfg.rms_norm_eps)
         self.qkv_proj = None  # FusedLinear, set by fuse() for the triton backend
 
+    def input_linears(self) -> list:
+        return [self.qkv_proj.linear] if self.qkv_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
+
     def fuse(self) -> None:
         self.qkv_proj = FusedLinear.of([self.q_proj, self.k_proj, self.v_proj])
         if self.qkv_proj is not None:
@@ -363,19 +385,25 @@ class Attention(nn.Module):
 
     triton = False  # set by RuntimeModel(backend="triton")
 
-    def decode(self, x, state, step: Step):
+    def decode(self, x, state, step: Step, x_q: tuple | None = None):
         """x [B, D]: one token per slot at position lengths[b] of its cache. The torch path
         gathers only the prefix any row can see (step.span); the triton path reads the cache in
         place (attn_decode), with no host sync, so the step can be a CUDA graph."""
+        if self.triton:  # two kernels from q/k/v to the gated output (qk_norm_rope, attn_decode)
+            from .kernels import attn_decode, qk_norm_rope
+
+            b, hd = x.shape[0], self.head_dim
+            qg, k, v = self.qkv_proj(x, x_q) if self.qkv_proj is not None else (
+                self.q_proj(x, x_q), self.k_proj(x, x_q), self.v_proj(x, x_q))
+            qg = qg.reshape(b, -1, 2 * hd)  # per head: q, then its output gate
+            q = qk_norm_rope(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
+                             step.sin, state["k"], state["v"], step.slots32, step.lengths32)
+            o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:])
+            return self.o_proj(o.reshape(b, -1))
         q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]
         slots, lengths, span = step.slots, step.lengths, step.span
         state["k"][slots, :, lengths] = k[:, :, 0]
         state["v"][slots, :, lengths] = v[:, :, 0]
-        if self.triton:
-            from .kernels import attn_decode
-
-            o = attn_decode(q[:, :, 0], state["k"], state["v"], step.slots32, step.lengths32, self.head_dim ** -0.5)
-            return self.o_proj(o.reshape(x.shape[0], -1) * torch.sigmoid(gate[:, 0]))
         keys, vals = state["k"][slots, :, :span], state["v"][slots, :, :span]  # [B, kv, span, hd]
         visible = torch.arange(span, device=x.device)[None, :] <= lengths[:, None]
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=visible[:, None, None, :], enable_gqa=True)

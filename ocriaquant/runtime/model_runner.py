@@ -113,6 +113,11 @@ class RuntimeModel(nn.Module):
             for layer in self.layers:
                 layer.mixer.fuse()
                 layer.mlp.fuse()
+        # Which norms feed only FP8 Linears: those quantize their output for them (add_rmsnorm).
+        fp8_in = lambda linears: backend == "triton" and all(q.kind == "fp8" for q in linears)  # noqa: E731
+        self._fp8_inputs = [(fp8_in(layer.mixer.input_linears()), fp8_in(layer.mlp.input_linears()))
+                            for layer in self.layers]
+        self._fp8_head = fp8_in([self.lm_head])
         self.backend = backend
         self.to(device)
         self.device = torch.device(device)
@@ -177,16 +182,18 @@ class RuntimeModel(nn.Module):
         cos, sin = self._rope((lengths + deltas)[None].expand(3, -1))
         step = Step(slots, lengths, cos, sin, slots.to(torch.int32), lengths.to(torch.int32), span)
         x = self.embed(tokens)
-        if self.backend == "triton":  # each residual add fused with the norm after it
+        if self.backend == "triton":  # each residual add fused with the norm (and FP8 quantization) after it
             from .kernels import add_rmsnorm
 
             h = None
-            for layer, st in zip(self.layers, self.state):
-                x, n = add_rmsnorm(x, h, layer.input_layernorm.weight, layer.input_layernorm.eps)
-                h = layer.mixer.decode(n, st, step)
-                x, n = add_rmsnorm(x, h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-                h = layer.mlp(n)
-            return self.lm_head(add_rmsnorm(x, h, self.norm.weight, self.norm.eps)[1])
+            for layer, st, (mixer_fp8, mlp_fp8) in zip(self.layers, self.state, self._fp8_inputs):
+                x, n, *n_q = add_rmsnorm(x, h, layer.input_layernorm.weight, layer.input_layernorm.eps, mixer_fp8)
+                h = layer.mixer.decode(n, st, step, *n_q)
+                x, n, *n_q = add_rmsnorm(x, h, layer.post_attention_layernorm.weight,
+                                         layer.post_attention_layernorm.eps, mlp_fp8)
+                h = layer.mlp(n, *n_q)
+            _, n, *n_q = add_rmsnorm(x, h, self.norm.weight, self.norm.eps, self._fp8_head)
+            return self.lm_head(n, *n_q)
         for layer, st in zip(self.layers, self.state):
             x = x + layer.mixer.decode(layer.input_layernorm(x), st, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

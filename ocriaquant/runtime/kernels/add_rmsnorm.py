@@ -14,12 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_bf16
+from .rounding import e4m3_bits, round_bf16
+
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, D, eps, stride_x, stride_h, stride_r, stride_y,
-                        HAS_H: tl.constexpr, BD: tl.constexpr, INTERPRET: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, D, eps, stride_x, stride_h, stride_r,
+                        stride_y, HAS_H: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     row = tl.program_id(0)
     rd = tl.arange(0, BD)
     m = rd < D
@@ -31,24 +34,33 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, D, eps, stride_x, str
         r = round_bf16(r) if INTERPRET else r.to(tl.bfloat16).to(tl.float32)
         tl.store(r_ptr + row * stride_r + rd, r.to(r_ptr.dtype.element_ty), mask=m)
     y = r * tl.rsqrt(tl.sum(r * r, 0) / D + eps) * (1.0 + tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32))
-    if INTERPRET:
-        y = round_bf16(y)
+    y = round_bf16(y)  # the bf16 output, which the FP8 codes below are made from
     tl.store(y_ptr + row * stride_y + rd, y.to(y_ptr.dtype.element_ty), mask=m)
+    if QUANT:  # quant_fp8_per_token's numerics (gemv_fp8.py), on the row already in registers
+        scale = round_bf16(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_MAX))
+        scale = tl.where(scale == 0.0, 0.0078125, scale)
+        v = tl.minimum(tl.maximum(round_bf16(tl.math.div_rn(y, scale)), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * D + rd, e4m3_bits(v).to(tl.uint8), mask=m)
+        tl.store(s_ptr + row, scale)
 
 
-def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """x, h bf16 [B, D] (h None: norm only), weight [D] -> (r = x + h, rmsnorm(r)). With h None
-    r is x itself."""
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool = False):
+    """x, h bf16 [B, D] (h None: norm only), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
+    None r is x itself. fp8: also y quantized per token for an FP8 GEMV, returned as a third
+    item (E4M3 [B, D], fp32 scale [B, 1]) — quant_fp8_per_token(y) without its launch."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"add_rmsnorm: x must be bf16 with contiguous rows, got {x.dtype} {tuple(x.stride())}")
     b, d = x.shape
     y = torch.empty_like(x)
     r = torch.empty_like(x) if h is not None else x
     hh = h if h is not None else x
-    _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, d, eps, x.stride(0), hh.stride(0), r.stride(0), y.stride(0),
-                              HAS_H=h is not None, BD=triton.next_power_of_2(d),
-                              INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4)
-    return r, y
+    q = torch.empty(b, d, dtype=torch.float8_e4m3fn, device=x.device) if fp8 else y
+    s = torch.empty(b, 1, dtype=torch.float32, device=x.device) if fp8 else y
+    _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, q.view(torch.uint8) if fp8 else y, s, d, eps, x.stride(0),
+                              hh.stride(0), r.stride(0), y.stride(0), HAS_H=h is not None, QUANT=fp8,
+                              BD=triton.next_power_of_2(d), INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                              num_warps=8 if d > 2048 else 4)
+    return (r, y, (q, s)) if fp8 else (r, y)
 
 
 def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float):

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import round_bf16
+
 CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
 
 
@@ -75,8 +77,8 @@ def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, p
 
 
 @triton.jit
-def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, NSPLIT, HEADS,
-                       HD: tl.constexpr, SP: tl.constexpr):
+def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, stride_ob, stride_oh, stride_gb, stride_gh, NSPLIT,
+                       HEADS, HD: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     rs = tl.arange(0, SP)
@@ -89,13 +91,18 @@ def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, NS
     l = tl.sum(w * tl.load(pl_ptr + base + rs, mask=smask, other=0.0), 0)
     o = tl.load(po_ptr + (base + rs)[:, None] * HD + rd[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / l
+    if GATED:  # Qwen3.5's output gate, o · sigmoid(gate), each rounded to bf16 as torch does
+        g = tl.load(g_ptr + b * stride_gb + h * stride_gh + rd).to(tl.float32)
+        o = round_bf16(round_bf16(o) * round_bf16(1.0 / (1.0 + tl.exp(-g))))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
 
 
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, heads, hd]; k/v cache [slots, KV heads, max_len, hd]; slots, lengths int32 [B]
-    -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b]."""
+    -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b], times
+    sigmoid(gate) when `gate` [B, heads, hd] (strides free, hd contiguous) is given."""
     bsz, heads, hd = q.shape
     _, kvh, max_len, hd_c = k_cache.shape
     if hd_c != hd or heads % kvh or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
@@ -115,13 +122,18 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
         BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=4)
     out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
-    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, out.stride(0), out.stride(1), nsplit, heads, HD=hd,
-                                     SP=triton.next_power_of_2(nsplit), num_warps=4)
+    if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
+        raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")
+    g = gate if gate is not None else out
+    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit,
+                                     heads, HD=hd, SP=triton.next_power_of_2(nsplit), GATED=gate is not None,
+                                     num_warps=4)
     return out
 
 
-def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64):
-    """Plain torch, row by row in `dtype`: softmax over the visible prefix of the row's slot."""
+def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64, gate=None):
+    """Plain torch, row by row in `dtype`: softmax over the visible prefix of the row's slot,
+    times sigmoid(gate) if given."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     g = q.shape[1] // k_cache.shape[1]
     for i, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
@@ -129,4 +141,4 @@ def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.floa
         v = v_cache[s, :, : n + 1].to(dtype).repeat_interleave(g, 0)
         p = torch.softmax(torch.einsum("hd,htd->ht", q[i].to(dtype), k) * scale, -1)
         out[i] = torch.einsum("ht,htd->hd", p, v)
-    return out
+    return out if gate is None else out * torch.sigmoid(gate.to(dtype))

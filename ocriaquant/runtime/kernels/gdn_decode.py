@@ -11,10 +11,18 @@ and the gated RMSNorm  o/rms(o) · w · silu(z). transformers does this in ~10 l
 around fla-core's recurrent kernel; here the state is read and written once and nothing else
 goes to memory.
 
-One program per (batch row, key head): it owns the HV/H value heads that share the key head
-(GVA), so the conv channels of q, k and its v heads are updated by exactly one program and no
-other program can read a half-updated conv state. A row whose slot index is negative is a
-padding row (CUDA-graph buckets): it touches no state and writes zeros.
+One program per (batch row, value head, block of V rows). S's V rows are independent in the
+delta rule (each row needs q and k whole, v and its own row of S), so at batch 1 the 32 value
+heads of the 4B split into V-blocks until ~4 programs per SM stream the state; with one program
+per key head, 16 SMs did all the work. What crosses the blocks goes through a ticket per
+(row, key head), as in splitk.py: each program writes its o rows unnormalized to an fp32
+workspace and takes a ticket; the last of the key head's programs (its HV/H value heads ×
+V-blocks)
+- applies the gated RMSNorm, which needs the whole V row of o, to each of those value heads;
+- shifts the conv state of the key head's q and k channels. Every program has read them by
+  then; the v channels of a block belong to that program alone and shift at once.
+A row whose slot index is negative is a padding row (CUDA-graph buckets): it touches no state
+and writes zeros.
 """
 
 from __future__ import annotations
@@ -24,10 +32,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .splitk import sm_count
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
 
 @triton.jit
-def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: tl.constexpr, KWP: tl.constexpr):
-    """Causal conv over [state (KW-1 taps), x] for channels `chan`, SiLU; shifts the state."""
+def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: tl.constexpr, KWP: tl.constexpr,
+               SHIFT: tl.constexpr):
+    """Causal conv over [state (KW-1 taps), x] for channels `chan`, SiLU; shifts the state if SHIFT."""
     j = tl.arange(0, KWP)
     valid = (j[None, :] * 0 + slot_raw) >= 0  # a block, not a scalar: the interpreter rejects scalar masks
     x = tl.load(qkv_ptr + chan, mask=n_ok, other=0.0).to(tl.float32)
@@ -36,65 +49,94 @@ def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: t
     win = tl.where(j[None, :] == KW - 1, x[:, None], st)
     w = tl.load(cw_ptr + chan[:, None] * KW + j[None, :], mask=n_ok[:, None] & (j[None, :] < KW), other=0.0)
     y = tl.sum(win * w.to(tl.float32), 1)
-    # New state = window shifted left by one: tap j (1..KW-1) goes to position j-1. Other
-    # threads of this program may still have to read those positions: all loads first.
-    tl.debug_barrier()
-    new_mask = n_ok[:, None] & (j[None, :] >= 1) & (j[None, :] < KW) & valid
-    tl.store(cs_ptr + chan[:, None] * cs_stride_c + (j[None, :] - 1), win.to(cs_ptr.dtype.element_ty), mask=new_mask)
+    if SHIFT:
+        # New state = window shifted left by one: tap j (1..KW-1) goes to position j-1. Other
+        # threads of this program may still have to read those positions: all loads first.
+        tl.debug_barrier()
+        new_mask = n_ok[:, None] & (j[None, :] >= 1) & (j[None, :] < KW) & valid
+        tl.store(cs_ptr + chan[:, None] * cs_stride_c + (j[None, :] - 1), win.to(cs_ptr.dtype.element_ty),
+                 mask=new_mask)
     return y / (1.0 + tl.exp(-y))
 
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, s_ptr, slot_ptr,
-                       out_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c, s_stride_slot,
-                       stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       out_ptr, ws_ptr, tick_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c,
+                       s_stride_slot, stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       NVB: tl.constexpr, BVF: tl.constexpr):
     bi = tl.program_id(0)
-    h = tl.program_id(1)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
     G: tl.constexpr = HV // H
+    h = hv // G
     slot_raw = tl.load(slot_ptr + bi)
     slot = tl.maximum(slot_raw, 0).to(tl.int64)
     rk = tl.arange(0, BK)
-    rv = tl.arange(0, BV)
+    rv = vb * BV + tl.arange(0, BV)
     k_ok = rk < K
     v_ok = rv < V
     qkv = qkv_ptr + bi * stride_qkv
     cs = cs_ptr + slot * cs_stride_slot
-    q = _conv_silu(qkv, cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
-    k = _conv_silu(qkv, cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
+    q = _conv_silu(qkv, cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP, False)
+    k = _conv_silu(qkv, cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP, False)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    nw = tl.load(nw_ptr + rv, mask=v_ok, other=0.0).to(tl.float32)
     valid_k = (rk * 0 + slot_raw) >= 0
-    valid_v = (rv * 0 + slot_raw) >= 0
-    for i in tl.static_range(G):
-        hv = h * G + i
-        v = _conv_silu(qkv, cs, cw_ptr, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, KW, KWP)
-        a = tl.load(a_ptr + bi * stride_ab + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-        g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus
-        bb = tl.load(b_ptr + bi * stride_ab + hv).to(tl.float32)
-        beta = 1.0 / (1.0 + tl.exp(-bb))
-        sp = s_ptr + slot * s_stride_slot + hv * V * K + rv[:, None] * K + rk[None, :]
-        smask = v_ok[:, None] & (k_ok & valid_k)[None, :]
-        S = tl.load(sp, mask=smask, other=0.0) * tl.exp(g)
-        delta = (v - tl.sum(S * k[None, :], 1)) * beta
-        S = S + delta[:, None] * k[None, :]
-        tl.store(sp, S, mask=smask)
-        o = tl.sum(S * q[None, :], 1)
-        o = o * tl.rsqrt(tl.sum(o * o, 0) / V + eps)
-        z = tl.load(z_ptr + bi * stride_z + hv * V + rv, mask=v_ok, other=0.0).to(tl.float32)
-        o = o * nw * (z / (1.0 + tl.exp(-z)))
-        o = tl.where(valid_v, o, 0.0)
-        tl.store(out_ptr + bi * stride_out + hv * V + rv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+    v = _conv_silu(qkv, cs, cw_ptr, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, KW, KWP, True)
+    a = tl.load(a_ptr + bi * stride_ab + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    g = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus
+    bb = tl.load(b_ptr + bi * stride_ab + hv).to(tl.float32)
+    beta = 1.0 / (1.0 + tl.exp(-bb))
+    sp = s_ptr + slot * s_stride_slot + hv * V * K + rv[:, None] * K + rk[None, :]
+    smask = v_ok[:, None] & (k_ok & valid_k)[None, :]
+    S = tl.load(sp, mask=smask, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(S * k[None, :], 1)) * beta
+    S = S + delta[:, None] * k[None, :]
+    tl.store(sp, S, mask=smask)
+    o = tl.sum(S * q[None, :], 1)
+    ws = ws_ptr + (bi * HV + hv) * V
+    tl.store(ws + rv, o, mask=v_ok)
+    # Every thread's o rows and conv reads are done (barrier) before the ticket releases them;
+    # the last ticket acquires everyone else's, and the barrier after keeps its reads behind it.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tick_ptr + bi * H + h, 1, sem="acq_rel")
+    tl.debug_barrier()
+    if ticket == G * NVB - 1:
+        _conv_silu(qkv, cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP, True)
+        _conv_silu(qkv, cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP, True)
+        rf = tl.arange(0, BVF)  # the whole V row (new names: a branch may not reshape a variable)
+        f_ok = rf < V
+        nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
+        valid_f = (rf * 0 + slot_raw) >= 0
+        for i in tl.static_range(G):
+            hv_i = h * G + i
+            of = tl.load(ws_ptr + (bi * HV + hv_i) * V + rf, mask=f_ok, other=0.0, cache_modifier=".cg")
+            of = of * tl.rsqrt(tl.sum(of * of, 0) / V + eps)
+            zf = tl.load(z_ptr + bi * stride_z + hv_i * V + rf, mask=f_ok, other=0.0).to(tl.float32)
+            of = of * nw * (zf / (1.0 + tl.exp(-zf)))
+            of = tl.where(valid_f, of, 0.0)
+            tl.store(out_ptr + bi * stride_out + hv_i * V + rf, of.to(out_ptr.dtype.element_ty), mask=f_ok)
+        tl.atomic_xchg(tick_ptr + bi * H + h, 0)
+
+
+def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
+    """V-blocks per value head: enough programs for ~4 per SM, blocks of at least 16 rows."""
+    nvb = 1
+    while bsz * hv * nvb < 4 * sm_count(device) and v // (2 * nvb) >= 16:
+        nvb *= 2
+    return nvb
 
 
 def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
-               num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, out=None, num_warps: int = 8):
+               num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, out=None, num_warps: int | None = None,
+               v_blocks: int | None = None):
     """qkv [B, 2·H·K + HV·V] (in_proj_qkv output), z [B, HV·V], a, b [B, HV]; conv_state
     [slots, C, KW-1], conv_weight [C, KW]; A_log, dt_bias [HV]; norm_weight [V]; state fp32
     [slots, HV, V, K]; slots int32 [B] (negative: padding row). Updates conv_state and state
-    in place; returns the gated-normed output [B, HV·V] (bf16 unless `out` says otherwise)."""
+    in place; returns the gated-normed output [B, HV·V] (bf16 unless `out` says otherwise).
+    v_blocks: V-blocks per value head (a power of two; default from the batch and SM count)."""
     bsz = qkv.shape[0]
     hv = A_log.shape[0]
     H, K, V = num_k_heads, head_k_dim, head_v_dim
@@ -108,12 +150,20 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
                          f"H={H}, K={K}, HV={hv}, V={V}, kernel {kw}")
     if conv_state.stride(2) != 1 or a.stride(1) != 1 or b.stride() != a.stride():
         raise ValueError("gdn_decode: conv_state's last dim and a/b rows must be contiguous (same strides)")
+    nvb = v_blocks or _v_blocks(bsz, hv, V, qkv.device)
+    bv = triton.next_power_of_2(triton.cdiv(V, nvb))
+    key = (qkv.device, bsz, hv, V, H)
+    if key not in _WORKSPACES:  # o rows before the norm, and self-resetting tickets (CUDA-graph safe)
+        _WORKSPACES[key] = (torch.empty(bsz, hv, V, dtype=torch.float32, device=qkv.device),
+                            torch.zeros(bsz, H, dtype=torch.int32, device=qkv.device))
+    ws, tick = _WORKSPACES[key]
     out = torch.empty(bsz, hv * V, dtype=qkv.dtype, device=qkv.device) if out is None else out
-    _gdn_decode_kernel[(bsz, H)](
-        qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out,
+    _gdn_decode_kernel[(bsz, hv, triton.cdiv(V, bv))](
+        qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
-        BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), num_warps=num_warps)
+        BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
+        num_warps=num_warps or (4 if bv <= 32 else 8))
     return out
 
 

@@ -2,9 +2,8 @@
 
 Layouts are the compressed-tensors FP8_DYNAMIC ones export writes: W_q E4M3 [N, K], w_scale
 [N, 1] (per output channel); activations are E4M3 per token with an fp32 scale [M, 1]
-(`quant_fp8_per_token`, or `silu_mul_quant` in the MLP). The dot runs on the FP8 tensor cores
-with M padded to 16; the weight stream is what costs, so tiles are 16 rows wide and K is split
-across CTAs (splitk.py) to keep all SMs reading.
+(`quant_fp8_per_token`, `add_rmsnorm`, or `silu_mul_quant` in the MLP). M = 1 runs on CUDA
+cores (gemv_m1.py), larger M on the FP8 tensor cores (gemv_dot.py).
 """
 
 from __future__ import annotations
@@ -13,52 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_dot import gemv_dot
+from .gemv_m1 import gemv_m1
 from .rounding import e4m3_bits, round_bf16
-from .splitk import launch_plan, store_or_reduce
 
 FP8_MAX = tl.constexpr(448.0)  # a constexpr: @jit code can read no other globals
 
 
-@triton.jit
-def _gemv_fp8_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
-                     stride_ym, K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
-        ks = k0 + rk
-        kmask = ks < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=(rn[:, None] < N) & kmask[None, :],
-                    other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w), acc)
-    xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
-    wsc = tl.load(wsc_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    acc = acc * xs[:, None] * wsc[None, :]
-    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
-
-
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
-             split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N]."""
+             split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+             path: str = "auto") -> torch.Tensor:
+    """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
+    path: "fma" (M = 1 only, CUDA cores: gemv_m1.py), "dot" (tensor cores), "auto" (fma at M = 1)."""
     m, k = x_q.shape
     n = w_q.shape[0]
     if w_q.shape[1] != k:
         raise ValueError(f"gemv_fp8: x has K={k} but the weight is {tuple(w_q.shape)}")
     if m > 64:
         raise ValueError(f"gemv_fp8 is for decode (M <= 64), got M={m}; use torch._scaled_mm above that")
-    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x_q.device, split_k, out)
-    _gemv_fp8_kernel[grid](x_q, x_scale.reshape(-1).float(), w_q, w_scale.reshape(-1), out, ws, tick,
-                                      m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0), k_per,
-                                      BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
-                                      num_stages=num_stages)
-    return out
+    if path == "fma" or (path == "auto" and m == 1):
+        return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
+                       num_warps=num_warps, num_stages=num_stages)
+    return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
+                    num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit

@@ -78,37 +78,78 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
 
 
 @triton.jit
-def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
-                          stride_sn, K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                          INTERPRET: tl.constexpr):
+def _e2m1_pair(t):
+    """int32 words holding E2M1 nibbles at bits 0-3 and 16-19 -> their two fp32 values × 2**-14.
+    One 32-bit AND/shift sequence decodes both halves (the fp16 bit trick above, twice)."""
+    bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+# The same decode of a whole word in PTX: four shift/mask sequences put nibble pairs (i, i+4)
+# in the two fp16 halves of a register, and each half converts to fp32 in one instruction
+# (Triton's version above spends a truncation and a shift per half). GPU only.
+_DECODE_WORD_PTX = tl.constexpr("""{
+.reg .b32 t<4>, u<3>;
+.reg .b16 h<8>;
+shl.b32 t0, $8, 9;  and.b32 t0, t0, 0x0E000E00; shl.b32 u0, $8, 12; and.b32 u0, u0, 0x80008000; or.b32 t0, t0, u0;
+shl.b32 t1, $8, 5;  and.b32 t1, t1, 0x0E000E00; shl.b32 u1, $8, 8;  and.b32 u1, u1, 0x80008000; or.b32 t1, t1, u1;
+shl.b32 t2, $8, 1;  and.b32 t2, t2, 0x0E000E00; shl.b32 u2, $8, 4;  and.b32 u2, u2, 0x80008000; or.b32 t2, t2, u2;
+shr.b32 t3, $8, 3;  and.b32 t3, t3, 0x0E000E00; and.b32 u0, $8, 0x80008000; or.b32 t3, t3, u0;
+mov.b32 {h0, h4}, t0; mov.b32 {h1, h5}, t1; mov.b32 {h2, h6}, t2; mov.b32 {h3, h7}, t3;
+cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3;
+cvt.f32.f16 $4, h4; cvt.f32.f16 $5, h5; cvt.f32.f16 $6, h6; cvt.f32.f16 $7, h7;
+}""")
+
+
+@triton.jit
+def _decode_word(v, ASM: tl.constexpr):
+    """int32 words (8 nibbles, k = 0..7 from the low bits) -> 8 fp32 tensors, E2M1 × 2**-14."""
+    if ASM:
+        return tl.inline_asm_elementwise(_DECODE_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [v],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    w0, w4 = _e2m1_pair(v)
+    w1, w5 = _e2m1_pair(v >> 4)
+    w2, w6 = _e2m1_pair(v >> 8)
+    w3, w7 = _e2m1_pair(v >> 12)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K_WORDS, stride_wn,
+                          stride_sn, WORDS_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                          INTERPRET: tl.constexpr, PTX: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
-    and forces the decoded weights through a shared-memory layout change. Here the tile is
-    [BN rows, BK/16 blocks, 16 weights] as it lies in memory (one thread owns a block's 8
-    bytes), the 16 products of a block are summed in registers, the block scale multiplies
-    the block's sum, not each weight, and the global scale multiplies the row's total once."""
+    and forces the decoded weights through a shared-memory layout change. Here the weights are
+    read as 32-bit words (8 nibbles, k = 8j … 8j+7; 16-byte loads along the row) and decoded two
+    nibbles per integer op (_e2m1_pair: nibbles i and i+4 of a word); the products are summed per
+    word in registers, the word's block scale multiplies that sum, not each weight, and the
+    global scale multiplies the row's total once. Decoding, not bandwidth, bounded the
+    byte-at-a-time version of this kernel."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    NB: tl.constexpr = BK // 16
+    NW: tl.constexpr = BK // 8                               # words per tile row
     rn = pid_n * BN + tl.arange(0, BN)
-    rb = tl.arange(0, NB)
-    rj = tl.arange(0, 8)
-    r16 = tl.arange(0, 16)
+    rw = tl.arange(0, NW)
     nmask = rn < N
-    acc = tl.zeros((BN, NB), dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
-        kb = k0 // 16 + rb                                   # block index along K
-        bmask = nmask[:, None] & (kb[None, :] < K // 16)
-        p = tl.load(w_ptr + rn[:, None, None] * stride_wn + (kb[None, :, None] * 8 + rj[None, None, :]),
-                    mask=bmask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int16)
-        w = tl.reshape(tl.join(_e2m1_times_2m14(p & 15), _e2m1_times_2m14((p >> 4) & 15)), (BN, NB, 16))
-        x = tl.load(x_ptr + kb[:, None] * 16 + r16[None, :], mask=(kb < K // 16)[:, None], other=0.0)
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], 2)   # [BN, NB] block sums
-        s_off = rn[:, None] * stride_sn + kb[None, :]
-        if INTERPRET:
-            s = e4m3_value(tl.load(sc_ptr + s_off, mask=bmask, other=0).to(tl.int32))
+    acc = tl.zeros((BN, NW), dtype=tl.float32)
+    # Counted in words, not weights, and no mask along K (the wrapper picks BK dividing K, the
+    # loop stops at K): what Triton needs to see to make the loads 16 bytes wide.
+    w_start = pid_k * WORDS_PER_SPLIT
+    for w0 in range(w_start, tl.minimum(w_start + WORDS_PER_SPLIT, K_WORDS), NW):
+        kw = w0 + rw                                         # word index along K
+        v = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=nmask[:, None], other=0,
+                    eviction_policy="evict_first")
+        ws = _decode_word(v, PTX)
+        part = tl.zeros((BN, NW), dtype=tl.float32)
+        for i in tl.static_range(8):
+            part += ws[i] * tl.load(x_ptr + kw * 8 + i).to(tl.float32)[None, :]
+        s_off = rn[:, None] * stride_sn + kw[None, :] // 2   # two words per 16-weight block
+        if INTERPRET:  # integer decode: the interpreter's E4M3 conversion is unreliable (rounding.py)
+            s = e4m3_value(tl.load(sc_ptr + s_off, mask=nmask[:, None], other=0).to(tl.int32))
         else:
-            s = tl.load(sc8_ptr + s_off, mask=bmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            s = tl.load(sc8_ptr + s_off, mask=nmask[:, None], other=0.0).to(tl.float32)
         acc += part * s
     y = tl.sum(acc, 1) * (16384.0 / tl.load(gs_ptr))
     if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
@@ -119,9 +160,10 @@ def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, 
 def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-               path: str = "auto") -> torch.Tensor:
+               path: str = "auto", ptx: bool = True) -> torch.Tensor:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
-    -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1)."""
+    -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
+    ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops)."""
     m, k = x.shape
     n = w_packed.shape[0]
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
@@ -129,17 +171,20 @@ def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w
                          f"with scales {tuple(w_scale.shape)}")
     if m > 64:
         raise ValueError(f"gemv_nvfp4 is for decode (M <= 64), got M={m}; dequantize and use a GEMM above that")
-    if k % block_k:
-        block_k = 64 if k % 64 == 0 else 32
+    if k % block_k:  # the M = 1 kernel reads whole tiles only (no mask along K)
+        block_k = next(b for b in (64, 32, 16) if k % b == 0)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if path == "fma" or (path == "auto" and m == 1):
         if m != 1:
             raise ValueError(f"gemv_nvfp4: the fma path is for M = 1, got M={m}")
         _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
-        _gemv_nvfp4_m1_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale,
-                                    w_global_scale.reshape(1).float(), out, ws, tick, n, k, w_packed.stride(0),
-                                    w_scale.stride(0), k_per, BN=block_n, BK=block_k, SPLIT_K=grid[1],
-                                    num_warps=num_warps, num_stages=num_stages, INTERPRET=interp)
+        if w_packed.stride(0) % 4 or w_packed.stride(1) != 1 or w_packed.data_ptr() % 4:
+            w_packed = w_packed.clone(memory_format=torch.contiguous_format)  # read as aligned int32 words
+        _gemv_nvfp4_m1_kernel[grid](x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_scale,
+                                    w_global_scale.reshape(1).float(), out, ws, tick, n, k // 8, w_packed.stride(0) // 4,
+                                    w_scale.stride(0), k_per // 8, BN=block_n, BK=block_k, SPLIT_K=grid[1],
+                                    num_warps=num_warps, num_stages=num_stages, INTERPRET=interp,
+                                    PTX=ptx and not interp)
         return out
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),

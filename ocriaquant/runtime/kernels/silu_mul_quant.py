@@ -3,6 +3,8 @@ pass, so the [M, intermediate] BF16 product never goes to memory and back.
 
 - `fmt="fp8"` (h200 and b200 FP8 down_proj): E4M3 per token, scale = absmax / 448 — what
   gemv_fp8 consumes.
+- `fmt="bf16"` (a W4A16 NVFP4 or BF16 down_proj on Hopper): the BF16 product only, one
+  launch in place of torch's two.
 - `fmt="nvfp4"` (b200 W4A4 emulation): E2M1 packed two per byte with one E4M3 scale per 16
   values under a static global scale — what a Blackwell NVFP4 GEMM consumes.
 
@@ -53,6 +55,15 @@ def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOC
 
 
 @triton.jit
+def _silu_mul_bf16_kernel(g_ptr, u_ptr, h_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = r < I
+    h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, r, m)
+    tl.store(h_ptr + row * I + r, h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _silu_mul_nvfp4_kernel(g_ptr, u_ptr, p_ptr, sc_ptr, gs_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     gs = tl.load(gs_ptr)
@@ -81,7 +92,8 @@ def _silu_mul_nvfp4_kernel(g_ptr, u_ptr, p_ptr, sc_ptr, gs_ptr, I, stride_g, str
 def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
                    input_global_scale: torch.Tensor | None = None, block: int = 2048):
     """gate, up bf16 [M, I] (row stride free, e.g. halves of a fused gate_up output) ->
-    fp8: (E4M3 [M, I], fp32 scale [M, 1]); nvfp4: (uint8 [M, I/2], E4M3 scales [M, I/16])."""
+    fp8: (E4M3 [M, I], fp32 scale [M, 1]); nvfp4: (uint8 [M, I/2], E4M3 scales [M, I/16]);
+    bf16: the product [M, I] alone."""
     m, i = gate.shape
     if up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError(f"silu_mul_quant: gate {tuple(gate.shape)} and up {tuple(up.shape)} must match, rows contiguous")
@@ -91,6 +103,11 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
         s = torch.empty(m, 1, dtype=torch.float32, device=gate.device)
         _silu_mul_fp8_kernel[(m,)](gate, up, q.view(torch.uint8), s, i, gate.stride(0), up.stride(0), BLOCK=block, num_warps=8)
         return q, s
+    if fmt == "bf16":
+        h = torch.empty(m, i, dtype=torch.bfloat16, device=gate.device)
+        _silu_mul_bf16_kernel[(m, triton.cdiv(i, block))](gate, up, h, i, gate.stride(0), up.stride(0), BLOCK=block,
+                                                           num_warps=4)
+        return h
     if fmt == "nvfp4":
         if input_global_scale is None or i % 16:
             raise ValueError("silu_mul_quant nvfp4 needs input_global_scale and I a multiple of 16")
@@ -99,7 +116,7 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
         _silu_mul_nvfp4_kernel[(m,)](gate, up, p, sc.view(torch.uint8), input_global_scale.reshape(1).float(), i, gate.stride(0),
                                      up.stride(0), BLOCK=block, num_warps=8)
         return p, sc
-    raise ValueError(f"silu_mul_quant: unknown format {fmt!r}; fp8 or nvfp4")
+    raise ValueError(f"silu_mul_quant: unknown format {fmt!r}; fp8, nvfp4 or bf16")
 
 
 def silu_mul_quant_ref(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
@@ -108,6 +125,8 @@ def silu_mul_quant_ref(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
     from ...quant import fp8, nvfp4
 
     h = F.silu(gate) * up
+    if fmt == "bf16":
+        return h
     if fmt == "fp8":
         q, scale = fp8.quantize_activation(h)
         return q, scale.float()

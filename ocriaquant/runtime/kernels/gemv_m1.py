@@ -1,0 +1,76 @@
+"""The M = 1 weight-streaming GEMV on CUDA cores, for BF16 and FP8 weights: y = x · Wᵀ
+(times x_scale · w_scale[n] for FP8 W8A8).
+
+At batch 1 a tensor-core tile pads the single row to 16 and sends the weights through a
+shared-memory layout change; cuBLAS reaches 40–55 % of the copy bandwidth on the 4B's
+2560-wide shapes. Here each thread reads contiguous 16-byte runs of a weight row straight
+into registers and multiplies them with the broadcast activations in fp32; the row sums are
+reduced once at the end. K is split across CTAs (splitk.py) so a 2560-row output still fills
+every SM. The products are exact in fp32 (BF16·BF16 and E4M3·E4M3 both are), so the result
+is the tensor-core path's up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import e4m3_value, round_bf16
+from .splitk import launch_plan, store_or_reduce
+
+
+@triton.jit
+def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
+                    K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
+        ks = k0 + rk
+        kmask = ks < K
+        w_off = rn[:, None] * stride_wn + ks[None, :]
+        wmask = nmask[:, None] & kmask[None, :]
+        if FP8 and INTERPRET:  # the interpreter's E4M3 conversion is unreliable (rounding.py)
+            w = e4m3_value(tl.load(w8_ptr + w_off, mask=wmask, other=0).to(tl.int32))
+            x = e4m3_value(tl.load(x8_ptr + ks, mask=kmask, other=0).to(tl.int32))
+        else:
+            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    y = tl.sum(acc, 1)
+    if FP8:
+        y = y * tl.load(xs_ptr) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
+        y = round_bf16(y)
+    store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+
+
+def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,
+            w_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 16,
+            block_k: int = 256, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [1, K], w [N, K], both bf16 or both E4M3 (then x_scale [1, 1] and w_scale [N, 1]
+    fp32/bf16 are required) -> bf16 [1, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m != 1 or w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv_m1: x must be [1, K] and w [N, K] with contiguous rows, got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if fp8 != (x.dtype == torch.float8_e4m3fn) or fp8 != (x_scale is not None and w_scale is not None):
+        raise ValueError("gemv_m1: x and w are both bf16, or both E4M3 with x_scale and w_scale")
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
+    as_bytes = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
+    _gemv_m1_kernel[grid](x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
+                          w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
+                          BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8,
+                          INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+                          num_stages=num_stages)
+    return out

@@ -68,9 +68,7 @@ class QuantLinear(nn.Module):
             w = nvfp4.dequantize(weight, scale, global_scale.reshape(1).float(), dtype)
         self.register_buffer("weight", w)
         self.out_features, self.in_features = w.shape
-        from .kernels.tiles import m1_tile
-
-        self.m1_tile = m1_tile(kind, *w.shape)  # the GEMV tile at batch 1 (kernels/tiles.py)
+        self._m1_tile: dict | None = None  # the GEMV tile at batch 1 (kernels/tiles.py), on first use
 
     triton = False  # set by RuntimeModel(backend="triton")
 
@@ -95,8 +93,12 @@ class QuantLinear(nn.Module):
         already quantized the activations (add_rmsnorm, silu_mul_quant)."""
         from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
 
+        from .kernels.tiles import m1_tile
+
         m = x.shape[0]
-        tile = self.m1_tile if m == 1 else {}
+        if m == 1 and self._m1_tile is None:
+            self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
+        tile = self._m1_tile if m == 1 else {}
         if self.kind == "fp8":
             q, s = x_q if x_q is not None else quant_fp8_per_token(x.contiguous())
             return gemv_fp8(q, s, self.w_q, self.w_scale, **tile)

@@ -123,10 +123,11 @@ def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, 
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here the weights are
     read as 32-bit words (8 nibbles, k = 8j … 8j+7; 16-byte loads along the row) and decoded two
-    nibbles per integer op (_e2m1_pair: nibbles i and i+4 of a word); the products are summed per
-    word in registers, the word's block scale multiplies that sum, not each weight, and the
-    global scale multiplies the row's total once. Decoding, not bandwidth, bounded the
-    byte-at-a-time version of this kernel."""
+    nibbles per integer op (_e2m1_pair, or the PTX sequence when PTX); the products are summed
+    per word in registers, the word's block scale multiplies that sum, not each weight, and the
+    global scale multiplies the row's total once. It still reaches only 18–35 % of the copy
+    bandwidth on an H200 (BENCHMARKS.md): the instructions per weight (decode, fp16 -> fp32,
+    FMA, the activation loads), not the memory system, bound it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     NW: tl.constexpr = BK // 8                               # words per tile row

@@ -93,10 +93,10 @@ class QuantLinear(nn.Module):
         already quantized the activations (add_rmsnorm, silu_mul_quant)."""
         from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
 
-        from .kernels.tiles import m1_tile
-
         m = x.shape[0]
         if m == 1 and self._m1_tile is None:
+            from .kernels.tiles import m1_tile
+
             self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
         tile = self._m1_tile if m == 1 else {}
         if self.kind == "fp8":

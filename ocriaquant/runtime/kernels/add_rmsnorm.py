@@ -14,9 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import e4m3_bits, round_bf16
-
-FP8_MAX = tl.constexpr(448.0)
+from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
 
 
 @triton.jit
@@ -37,10 +35,8 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, D, eps,
     y = round_bf16(y)  # the bf16 output, which the FP8 codes below are made from
     tl.store(y_ptr + row * stride_y + rd, y.to(y_ptr.dtype.element_ty), mask=m)
     if QUANT:  # quant_fp8_per_token's numerics (gemv_fp8.py), on the row already in registers
-        scale = round_bf16(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_MAX))
-        scale = tl.where(scale == 0.0, 0.0078125, scale)
-        v = tl.minimum(tl.maximum(round_bf16(tl.math.div_rn(y, scale)), -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * D + rd, e4m3_bits(v).to(tl.uint8), mask=m)
+        scale = fp8_token_scale(tl.max(tl.abs(y), 0))
+        tl.store(q_ptr + row * D + rd, fp8_token_codes(y, scale).to(tl.uint8), mask=m)
         tl.store(s_ptr + row, scale)
 
 

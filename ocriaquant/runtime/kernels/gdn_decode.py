@@ -32,9 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .splitk import sm_count
-
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+from .splitk import sm_count, workspace
 
 
 @triton.jit
@@ -152,11 +150,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         raise ValueError("gdn_decode: conv_state's last dim and a/b rows must be contiguous (same strides)")
     nvb = v_blocks or _v_blocks(bsz, hv, V, qkv.device)
     bv = triton.next_power_of_2(triton.cdiv(V, nvb))
-    key = (qkv.device, bsz, hv, V, H)
-    if key not in _WORKSPACES:  # o rows before the norm, and self-resetting tickets (CUDA-graph safe)
-        _WORKSPACES[key] = (torch.empty(bsz, hv, V, dtype=torch.float32, device=qkv.device),
-                            torch.zeros(bsz, H, dtype=torch.int32, device=qkv.device))
-    ws, tick = _WORKSPACES[key]
+    ws, tick = workspace(qkv.device, (bsz, hv, V), bsz * H, owner="gdn")  # o rows before the norm, tickets
     out = torch.empty(bsz, hv * V, dtype=qkv.dtype, device=qkv.device) if out is None else out
     _gdn_decode_kernel[(bsz, hv, triton.cdiv(V, bv))](
         qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,

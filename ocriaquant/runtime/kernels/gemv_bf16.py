@@ -18,7 +18,6 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     """x bf16 [M, K], w bf16 [N, K] -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor
     cores), "auto" (fma at M = 1)."""
     m, k = x.shape
-    n = w.shape[0]
     if w.shape[1] != k or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise ValueError(f"gemv_bf16: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} must be "
                          "bf16 with the same K")

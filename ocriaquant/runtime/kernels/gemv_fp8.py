@@ -14,10 +14,7 @@ import triton.language as tl
 
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
-from .rounding import e4m3_bits, round_bf16
-
-FP8_MAX = tl.constexpr(448.0)  # a constexpr: @jit code can read no other globals
-
+from .rounding import fp8_token_codes, fp8_token_scale
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
@@ -26,7 +23,6 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
     path: "fma" (M = 1 only, CUDA cores: gemv_m1.py), "dot" (tensor cores), "auto" (fma at M = 1)."""
     m, k = x_q.shape
-    n = w_q.shape[0]
     if w_q.shape[1] != k:
         raise ValueError(f"gemv_fp8: x has K={k} but the weight is {tuple(w_q.shape)}")
     if m > 64:
@@ -46,14 +42,10 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # compressed-tensors computes the scale in the activation dtype (bf16): round it there.
-    scale = round_bf16(tl.math.div_rn(tl.max(amax, 0), FP8_MAX))  # IEEE division, as torch's
-    scale = tl.where(scale == 0.0, 0.0078125, scale)  # bf16 eps, as compressed-tensors
+    scale = fp8_token_scale(tl.max(amax, 0))
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        v = round_bf16(tl.math.div_rn(x, scale))
-        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * K + k0 + rk, e4m3_bits(v).to(tl.uint8), mask=k0 + rk < K)
+        tl.store(q_ptr + row * K + k0 + rk, fp8_token_codes(x, scale).to(tl.uint8), mask=k0 + rk < K)
     tl.store(s_ptr + row, scale)
 
 

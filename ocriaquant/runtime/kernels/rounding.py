@@ -43,3 +43,21 @@ def e4m3_value(code):
     mant = (code & 7).to(tl.float32)
     mag = tl.where(e == 0, mant * 0.001953125, tl.exp2((e - 7).to(tl.float32)) * (1.0 + mant * 0.125))
     return tl.where((code & 128) != 0, -mag, mag)
+
+
+FP8_MAX = tl.constexpr(448.0)  # a constexpr: @jit code can read no other globals
+
+
+@triton.jit
+def fp8_token_scale(amax):
+    """A row's absmax -> its FP8 scale as compressed-tensors computes it on BF16 activations:
+    amax / 448 by IEEE division (as torch), rounded to bf16; 0 becomes bf16's eps."""
+    scale = round_bf16(tl.math.div_rn(amax, FP8_MAX))
+    return tl.where(scale == 0.0, 0.0078125, scale)
+
+
+@triton.jit
+def fp8_token_codes(v, scale):
+    """fp32 values (bf16-exact) and their row scale -> E4M3 codes (int32), compressed-tensors' rounding."""
+    q = round_bf16(tl.math.div_rn(v, scale))
+    return e4m3_bits(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))

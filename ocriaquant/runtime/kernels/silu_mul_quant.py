@@ -21,9 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .rounding import e4m3_bits, e4m3_value, round_bf16
-
-FP8_MAX = tl.constexpr(448.0)  # a constexpr: @jit code can read no other globals
+from .rounding import FP8_MAX, e4m3_bits, e4m3_value, fp8_token_codes, fp8_token_scale, round_bf16
 
 
 @triton.jit
@@ -43,14 +41,11 @@ def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOC
         m = k0 + r < I
         h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
         amax = tl.maximum(amax, tl.abs(h))
-    scale = round_bf16(tl.math.div_rn(tl.max(amax, 0), FP8_MAX))
-    scale = tl.where(scale == 0.0, 0.0078125, scale)  # bf16 eps, as compressed-tensors
+    scale = fp8_token_scale(tl.max(amax, 0))
     for k0 in range(0, I, BLOCK):
         m = k0 + r < I
         h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
-        v = round_bf16(tl.math.div_rn(h, scale))
-        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * I + k0 + r, e4m3_bits(v).to(tl.uint8), mask=m)
+        tl.store(q_ptr + row * I + k0 + r, fp8_token_codes(h, scale).to(tl.uint8), mask=m)
     tl.store(s_ptr + row, scale)
 
 

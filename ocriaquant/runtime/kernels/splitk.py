@@ -33,12 +33,14 @@ def geometry(n: int, k: int, block_n: int, block_k: int, device: torch.device, s
     return tiles, split_k
 
 
-def workspace(device: torch.device, split_k: int, m_pad: int, n: int, tiles: int):
-    """fp32 partials [split_k, m_pad, n] and int32 tickets [tiles] (zero, self-resetting)."""
-    key = (device, split_k, m_pad, n, tiles)  # tiles too: a smaller ticket array would be overrun
+def workspace(device: torch.device, shape: tuple, tickets: int, owner: str = "gemv"):
+    """fp32 partials of `shape` and `tickets` int32 counters (zero, self-resetting), made once
+    per (owner, device, shape, tickets) and reused, so they can live in a CUDA graph. Kernels
+    that use them (the GEMVs here, gdn_decode) run one after another on a stream."""
+    key = (owner, device, shape, tickets)  # tickets too: a smaller ticket array would be overrun
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.empty(split_k, m_pad, n, dtype=torch.float32, device=device),
-                            torch.zeros(tiles, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = (torch.empty(shape, dtype=torch.float32, device=device),
+                            torch.zeros(tickets, dtype=torch.int32, device=device))
     return _WORKSPACES[key]
 
 
@@ -51,7 +53,7 @@ def launch_plan(m: int, n: int, k: int, block_n: int, block_k: int, device: torc
     k_per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device) if out is None else out
-    ws, tick = workspace(device, splits, bm, n, tiles)
+    ws, tick = workspace(device, (splits, bm, n), tiles)
     return bm, (tiles, splits), k_per, out, ws, tick
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.splitk import geometry
+from ocriaquant.runtime.kernels.tiles import m1_tile
 from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
                                         gemv_nvfp4_ref, quant_fp8_per_token, silu_mul_quant, silu_mul_quant_ref)
 
@@ -118,8 +119,9 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                 log(f"  _scaled_mm unavailable at M={m}: {type(e).__name__}: {str(e)[:80]}")
                 t["fp8 _scaled_mm"] = float("nan")
             tiles = ((16, 256, 4), (32, 256, 4), (32, 512, 4), (64, 256, 8))
-            if m == 1:  # the CUDA-core path favours narrow, long tiles
-                tiles += ((16, 512, 4), (64, 256, 4), (64, 512, 8), (128, 256, 8), (8, 1024, 4))
+            if m == 1:  # the CUDA-core paths: narrow long tiles (bf16), many rows per thread (half2)
+                tiles += ((16, 512, 4), (64, 256, 4), (64, 512, 8), (128, 256, 8), (8, 1024, 4), (64, 128, 4),
+                          (128, 128, 4), (128, 256, 4), (256, 128, 8))
             cfgs = [dict(block_n=bn, block_k=bk, num_warps=nw, split_k=sk) for bn, bk, nw in tiles
                     for sk in (None, "x2")]
             for fmt, fn in (("bf16", lambda i, c: gemv_bf16(x, W[i], out=outs[i], **c)),
@@ -127,8 +129,6 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                             ("nvfp4", lambda i, c: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], **c))):
                 key = (fmt, n, k, m == 1)  # the M = 1 and tensor-core paths tune apart
                 cands = cfgs if key not in best_cfg else [best_cfg[key]]
-                if fmt == "nvfp4" and m == 1 and key not in best_cfg:  # and both nibble decoders
-                    cands = cands + [{**c, "ptx": False} for c in cfgs]
                 res = []
 
                 def attempt(c):
@@ -147,11 +147,28 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                 us, c = min(res, key=lambda r: r[0])
                 best_cfg.setdefault(key, c)
                 t[f"{fmt} ours"] = us
+            if m == 1:  # each format's best tile again with programmatic dependent launch (splitk.use_pdl)
+                for fmt, fn in (("bf16", lambda i, c: gemv_bf16(x, W[i], out=outs[i], **c)),
+                                ("fp8", lambda i, c: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i], **c)),
+                                ("nvfp4", lambda i, c: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], **c))):
+                    c = best_cfg[(fmt, n, k, True)]
+                    if c.get("split_k") == "x2":
+                        c = {**c, "split_k": 2 * geometry(n, k, c["block_n"], c["block_k"], x.device)[1]}
+                    try:
+                        t[f"{fmt} PDL"] = graph_time_us([lambda i=i, c=c: fn(i, {**c, "pdl": True}) for i in range(nc)])
+                    except Exception as e:  # noqa: BLE001 - a Triton or driver without PDL: reported, not fatal
+                        log(f"  {fmt} with PDL failed: {type(e).__name__}: {str(e)[:120]}")
+                        t[f"{fmt} PDL"] = float("nan")
+                log(f"  with PDL: bf16 {t['bf16 PDL']:.1f}us, fp8 {t['fp8 PDL']:.1f}us, nvfp4 {t['nvfp4 PDL']:.1f}us")
+            if m == 1:  # session 4's fp32 CUDA-core FP8 path (gemv_m1), at its tile, for comparison
+                fma = m1_tile("fp8", n, k)
+                t["fp8 fma"] = graph_time_us([lambda i=i: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i],
+                                                                   path="fma", **fma) for i in range(nc)])
             wbytes = {"bf16": n * k * 2, "fp8": n * k + n * 2, "nvfp4": n * k // 2 + n * k // 16}
             io = m * k * 2 + m * n * 2
             row = {"shape": name, "n": n, "k": k, "m": m, **{f"{kk} us": round(v, 2) for kk, v in t.items()}}
             for fmt, key in (("bf16", "bf16 cuBLAS"), ("bf16 ours", "bf16 ours"), ("fp8", "fp8 ours"),
-                             ("nvfp4", "nvfp4 ours")):
+                             ("nvfp4", "nvfp4 ours")) + ((("fp8 fma", "fp8 fma"),) if m == 1 else ()):
                 row[f"{fmt} %bw"] = round(100 * (wbytes[fmt.split()[0]] + io) / (t[key] * 1e-6) / bw, 1)
             row["bf16 ours vs cuBLAS"] = round(t["bf16 cuBLAS"] / t["bf16 ours"], 2)
             row["fp8 vs cuBLAS"] = round(t["bf16 cuBLAS"] / t["fp8 ours"], 2)

@@ -50,6 +50,8 @@ def test_gemv_fp8(m, n, k, split):
         out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(m, n), split_k=split)
         assert torch.isfinite(out).all()
         assert rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
+    if m == 1:  # the paired-fp16 path (half2.py) and the fp32 one differ only by fp16 block sums
+        assert rel(gemv_fp8(x_q, x_s, w_q, w_s, path="half2"), gemv_fp8(x_q, x_s, w_q, w_s, path="fma")) <= 4e-3
     with pytest.raises(ValueError, match="M <= 64"):
         gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
 
@@ -77,6 +79,26 @@ def test_gemv_nvfp4(m, n, k, split):
     # 16 positions of a block, both words and both halves of each word
     col0 = torch.cat([gemv_nvfp4(eye[j:j + 1], packed, scales, gs, split_k=1, path="fma") for j in range(16)])
     assert torch.equal(col0, cols)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 3e4])
+def test_gemv_nvfp4_m1_activation_range(scale):
+    """The M = 1 path rescales x to fp16 per CTA (half2.py): tiny, huge and wide-ranging
+    activations neither overflow nor lose the result; all-zero activations give zeros."""
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
+
+    torch.manual_seed(7)
+    n, k = 24, 512
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    spread = torch.exp(torch.empty(1, k, device=DEV).uniform_(-6, 6))  # values over ~5 decades
+    x = (torch.randn(1, k, device=DEV) * spread * scale / spread.max()).to(torch.bfloat16)
+    out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), split_k=2)
+    assert torch.isfinite(out).all()
+    assert rel(out, gemv_nvfp4_ref(x, packed, scales, gs)) <= 1e-2
+    zero = gemv_nvfp4(torch.zeros(1, k, dtype=torch.bfloat16, device=DEV), packed, scales, gs, out=poisoned(1, n))
+    assert torch.equal(zero, torch.zeros_like(zero))
 
 
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (6, 32, 768, 2), (17, 16, 512, 1)])
@@ -259,3 +281,36 @@ def test_add_rmsnorm_matches_torch_ops(b, d):
     assert torch.equal(r3, r) and torch.equal(y3, y)
     q_ref, s_ref = quant_fp8_per_token(y3)
     assert torch.equal(s3, s_ref) and fp8_codes_match(q3, q_ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch is a GPU feature")
+def test_gemv_pdl_in_graph(monkeypatch):
+    """With PDL a GEMV starts while its producer runs and waits for it before reading x: in a
+    CUDA graph behind add_rmsnorm (which releases it early) every format gives the same output
+    as without PDL, replay after replay on changing inputs."""
+    from ocriaquant.quant import fp8, nvfp4
+    from ocriaquant.runtime.kernels import add_rmsnorm, gemv_bf16, gemv_fp8, gemv_nvfp4
+
+    monkeypatch.setenv("OCRIAQUANT_PDL", "1")  # add_rmsnorm releases its dependents early
+    n, k = 4096, 2560
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    w_q, w_s = fp8.quantize_weight(w)
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    h = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    norm_w = torch.randn(k, dtype=torch.bfloat16, device=DEV) * 0.1
+
+    def step(pdl):
+        _, y, (q, s) = add_rmsnorm(x, h, norm_w, 1e-6, fp8=True)
+        return (gemv_bf16(y, w, pdl=pdl), gemv_fp8(q, s, w_q, w_s, pdl=pdl),
+                gemv_nvfp4(y, packed, scales, gs, pdl=pdl))
+
+    step(True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = step(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        for got, want in zip(outs, step(False)):
+            assert torch.equal(got, want)

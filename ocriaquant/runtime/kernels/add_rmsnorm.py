@@ -15,12 +15,14 @@ import triton
 import triton.language as tl
 
 from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
+from .splitk import release_dependents, use_pdl
 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, D, eps, stride_x, stride_h, stride_r,
                         stride_y, HAS_H: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)  # the next GEMV may start streaming its weights
     row = tl.program_id(0)
     rd = tl.arange(0, BD)
     m = rd < D
@@ -55,7 +57,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
     _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, q.view(torch.uint8) if fp8 else y, s, d, eps, x.stride(0),
                               hh.stride(0), r.stride(0), y.stride(0), HAS_H=h is not None, QUANT=fp8,
                               BD=triton.next_power_of_2(d), INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                              num_warps=8 if d > 2048 else 4)
+                              num_warps=8 if d > 2048 else 4, PDL=use_pdl(x.device, None))
     return (r, y, (q, s)) if fp8 else (r, y)
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .rounding import round_bf16
+from .splitk import release_dependents, use_pdl
 
 CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
 
@@ -78,7 +79,8 @@ def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, p
 
 @triton.jit
 def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, stride_ob, stride_oh, stride_gb, stride_gh, NSPLIT,
-                       HEADS, HD: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr):
+                       HEADS, HD: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)  # the next GEMV may start streaming its weights
     b = tl.program_id(0)
     h = tl.program_id(1)
     rs = tl.arange(0, SP)
@@ -127,7 +129,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     g = gate if gate is not None else out
     _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit,
                                      heads, HD=hd, SP=triton.next_power_of_2(nsplit), GATED=gate is not None,
-                                     num_warps=4)
+                                     num_warps=4, PDL=use_pdl(dev, None))
     return out
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .splitk import sm_count, workspace
+from .splitk import release_dependents, sm_count, use_pdl, workspace
 
 
 @triton.jit
@@ -62,7 +62,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
                        out_ptr, ws_ptr, tick_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c,
                        s_stride_slot, stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       NVB: tl.constexpr, BVF: tl.constexpr):
+                       NVB: tl.constexpr, BVF: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)  # the next GEMV may start streaming its weights
     bi = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -157,7 +158,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
-        num_warps=num_warps or (4 if bv <= 32 else 8))
+        num_warps=num_warps or (4 if bv <= 32 else 8), PDL=use_pdl(qkv.device, None))
     return out
 
 

@@ -14,7 +14,7 @@ from .gemv_m1 import gemv_m1
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, block_n: int = 16,
               block_k: int = 256, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-              path: str = "auto") -> torch.Tensor:
+              path: str = "auto", pdl: bool | None = None) -> torch.Tensor:
     """x bf16 [M, K], w bf16 [N, K] -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor
     cores), "auto" (fma at M = 1)."""
     m, k = x.shape
@@ -25,7 +25,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"gemv_bf16 is for decode (M <= 64), got M={m}; use F.linear above that")
     if path == "fma" or (path == "auto" and m == 1):
         return gemv_m1(x, w, out=out, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                       num_stages=num_stages)
+                       num_stages=num_stages, pdl=pdl)
     return gemv_dot(x, w, out=out, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                     num_stages=num_stages)
 

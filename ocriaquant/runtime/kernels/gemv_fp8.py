@@ -3,10 +3,13 @@
 Layouts are the compressed-tensors FP8_DYNAMIC ones export writes: W_q E4M3 [N, K], w_scale
 [N, 1] (per output channel); activations are E4M3 per token with an fp32 scale [M, 1]
 (`quant_fp8_per_token`, `add_rmsnorm`, or `silu_mul_quant` in the MLP). M = 1 runs on CUDA
-cores (gemv_m1.py), larger M on the FP8 tensor cores (gemv_dot.py).
+cores, two weights per instruction as fp16 pairs (half2.py; gemv_m1.py's fp32 path remains as
+`path="fma"` and for K not a multiple of 16), larger M on the FP8 tensor cores (gemv_dot.py).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -14,12 +17,95 @@ import triton.language as tl
 
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
-from .rounding import fp8_token_codes, fp8_token_scale
+from .half2 import fp8_quad_ref_sum, fp8_quad_sum, pack_f16x2
+from .rounding import e4m3_value, fp8_token_codes, fp8_token_scale, round_bf16
+from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
+
+
+@triton.jit
+def _x16(x_ptr, x8_ptr, k, mask, INTERPRET: tl.constexpr):
+    """Activation codes k as fp16-exact fp32 values × 2^-8 (half2.py: E4M3 · E4M3 products
+    reach 448², past fp16; with x ≤ 1.75 they stay under 784, a quad's sum under 6,272)."""
+    if INTERPRET:  # integer decode: the interpreter's E4M3 conversion is unreliable (rounding.py)
+        v = e4m3_value(tl.load(x8_ptr + k, mask=mask, other=0).to(tl.int32))
+    else:
+        v = tl.load(x_ptr + k, mask=mask, other=0.0).to(tl.float32)
+    return v * 0.00390625
+
+
+@triton.jit
+def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl.constexpr):
+    """Words 4q … 4q+3 of quads q0 … q0+NQ-1 (< q_end) of rows rn, as four [BN, NQ] tensors. Loaded as
+    one [BN, 4·NQ] tile (one 16-byte load per thread and quad) and split in registers: four
+    strided 4-byte loads instead read each sector four times."""
+    wmask = nmask[:, None] & (q0 + tl.arange(0, NQ) < q_end)[None, :]
+    rw = tl.arange(0, 4 * NQ)
+    v = tl.load(w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :],
+                mask=tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NQ, 4)), (BN, 4 * NQ)), other=0,
+                eviction_policy="evict_first")
+    even, odd = tl.split(tl.reshape(v, (BN, NQ, 2, 2)))
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _gemv_fp8_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
+                        BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
+                        PDL: tl.constexpr):
+    """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
+    two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
+    fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total."""
+    pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
+    rq = tl.arange(0, NQ)
+    acc = tl.zeros((BN, NQ), dtype=tl.float32)
+    q_end = k_end // 16
+    v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, k_start // 16, nmask, q_end, BN, NQ)
+    wait_for_inputs(PDL)
+    for q0 in range(k_start // 16, q_end, NQ):
+        # the next tile's loads go out before this one is computed: latency bounds these shapes
+        n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ)
+        kq = q0 + rq                                         # quad index along K
+        qmask = kq < q_end
+        k = kq * 16
+        x0, x1, x2, x3 = (_x16(x_ptr, x8_ptr, k, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 1, qmask, INTERPRET),
+                          _x16(x_ptr, x8_ptr, k + 2, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 3, qmask, INTERPRET))
+        x4, x5, x6, x7 = (_x16(x_ptr, x8_ptr, k + 4, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 5, qmask, INTERPRET),
+                          _x16(x_ptr, x8_ptr, k + 6, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 7, qmask, INTERPRET))
+        x8, x9, x10, x11 = (_x16(x_ptr, x8_ptr, k + 8, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 9, qmask, INTERPRET),
+                            _x16(x_ptr, x8_ptr, k + 10, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 11, qmask, INTERPRET))
+        x12, x13, x14, x15 = (_x16(x_ptr, x8_ptr, k + 12, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 13, qmask, INTERPRET),
+                              _x16(x_ptr, x8_ptr, k + 14, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 15, qmask, INTERPRET))
+        if INTERPRET:
+            acc += fp8_quad_ref_sum(v0, v1, v2, v3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
+                                    x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :], x10[None, :],
+                                    x11[None, :], x12[None, :], x13[None, :], x14[None, :], x15[None, :])
+        else:
+            acc += fp8_quad_sum(v0, v1, v2, v3, pack_f16x2(x0, x1)[None, :], pack_f16x2(x2, x3)[None, :],
+                                pack_f16x2(x4, x5)[None, :], pack_f16x2(x6, x7)[None, :], pack_f16x2(x8, x9)[None, :],
+                                pack_f16x2(x10, x11)[None, :], pack_f16x2(x12, x13)[None, :],
+                                pack_f16x2(x14, x15)[None, :])
+        v0, v1, v2, v3 = n0, n1, n2, n3
+    y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
+        y = round_bf16(y)
+    store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+
+
+def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl):
+    n, k = w_q.shape
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x_q.device, split_k, out)
+    _gemv_fp8_m1_kernel[grid](x_q, x_q.view(torch.uint8), x_scale.reshape(-1).float(), w_q.view(torch.int32),
+                              w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
+                              NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                              num_warps=num_warps, num_stages=num_stages, PDL=use_pdl(x_q.device, pdl),
+                              launch_pdl=use_pdl(x_q.device, pdl))
+    return out
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
              split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-             path: str = "auto") -> torch.Tensor:
+             path: str = "auto", pdl: bool | None = None) -> torch.Tensor:
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
     path: "fma" (M = 1 only, CUDA cores: gemv_m1.py), "dot" (tensor cores), "auto" (fma at M = 1)."""
     m, k = x_q.shape
@@ -27,9 +113,15 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
         raise ValueError(f"gemv_fp8: x has K={k} but the weight is {tuple(w_q.shape)}")
     if m > 64:
         raise ValueError(f"gemv_fp8 is for decode (M <= 64), got M={m}; use torch._scaled_mm above that")
+    half2_ok = k % 16 == 0 and w_q.stride(1) == 1 and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0
+    if path == "half2" or (path == "auto" and m == 1 and half2_ok):
+        if m != 1 or not half2_ok:
+            raise ValueError(f"gemv_fp8: the half2 path is for M = 1 and K a multiple of 16 with aligned rows, "
+                             f"got M={m}, w {tuple(w_q.shape)}")
+        return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl)
     if path == "fma" or (path == "auto" and m == 1):
         return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
-                       num_warps=num_warps, num_stages=num_stages)
+                       num_warps=num_warps, num_stages=num_stages, pdl=pdl)
     return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
                     num_warps=num_warps, num_stages=num_stages)
 

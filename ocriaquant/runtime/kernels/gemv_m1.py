@@ -19,32 +19,42 @@ import triton
 import triton.language as tl
 
 from .rounding import e4m3_value, round_bf16
-from .splitk import launch_plan, store_or_reduce
+from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
+
+
+@triton.jit
+def _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0, k_end, BK: tl.constexpr, FP8: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """Columns k0 … k0+BK-1 (< k_end) of rows rn, as stored (E4M3 codes under the interpreter)."""
+    ks = k0 + tl.arange(0, BK)
+    w_off = rn[:, None] * stride_wn + ks[None, :]
+    wmask = nmask[:, None] & (ks < k_end)[None, :]
+    if FP8 and INTERPRET:
+        return tl.load(w8_ptr + w_off, mask=wmask, other=0).to(tl.int32)
+    return tl.load(w_ptr + w_off, mask=wmask, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
                     K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rn = pid_n * BN + tl.arange(0, BN)
+                    INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     rk = tl.arange(0, BK)
-    nmask = rn < N
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
+    w = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k_start, k_end, BK, FP8, INTERPRET)
+    wait_for_inputs(PDL)
+    for k0 in range(k_start, k_end, BK):
+        # the next tile's loads go out before this one is computed: latency bounds these shapes
+        w_next = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
         ks = k0 + rk
-        kmask = ks < K
-        w_off = rn[:, None] * stride_wn + ks[None, :]
-        wmask = nmask[:, None] & kmask[None, :]
+        kmask = ks < k_end
         if FP8 and INTERPRET:  # the interpreter's E4M3 conversion is unreliable (rounding.py)
-            w = e4m3_value(tl.load(w8_ptr + w_off, mask=wmask, other=0).to(tl.int32))
             x = e4m3_value(tl.load(x8_ptr + ks, mask=kmask, other=0).to(tl.int32))
+            acc += e4m3_value(w) * x[None, :]
         else:
-            w = tl.load(w_ptr + w_off, mask=wmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+            acc += w.to(tl.float32) * x[None, :]
+        w = w_next
     y = tl.sum(acc, 1)
     if FP8:
         y = y * tl.load(xs_ptr) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -55,7 +65,8 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
 
 def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,
             w_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 16,
-            block_k: int = 256, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+            block_k: int = 256, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+            pdl: bool | None = None) -> torch.Tensor:
     """x [1, K], w [N, K], both bf16 or both E4M3 (then x_scale [1, 1] and w_scale [N, 1]
     fp32/bf16 are required) -> bf16 [1, N]."""
     m, k = x.shape
@@ -72,5 +83,5 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
                           w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
                           BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8,
                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                          num_stages=num_stages)
+                          num_stages=num_stages, PDL=use_pdl(x.device, pdl), launch_pdl=use_pdl(x.device, pdl))
     return out

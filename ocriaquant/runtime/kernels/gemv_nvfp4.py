@@ -1,7 +1,9 @@
 """NVFP4 W4A16 weight-streaming GEMV for decode on Hopper (no FP4 tensor cores): the packed
 E2M1 weights and their E4M3 block scales are read once and dequantized in registers to
 exactly the BF16 values the simulation and compressed-tensors' decompression give, then
-multiplied with the BF16 activations on the tensor cores (M padded to 16).
+multiplied with the BF16 activations on the tensor cores (M padded to 16). At M = 1 the
+weights are decoded two at a time into fp16 pairs and multiplied on the CUDA cores with
+fma.rn.f16x2 (half2.py), where the tensor-core path would waste 15 of its 16 rows.
 
 Layouts as export writes them (compressed-tensors `nvfp4-pack-quantized`): weight_packed
 uint8 [N, K/2] (even k in the low nibble), weight_scale E4M3 [N, K/16], weight_global_scale
@@ -26,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .half2 import nvfp4_block_ref_sum, nvfp4_block_sum, pack_f16x2
 from .rounding import e4m3_value, round_bf16
-from .splitk import launch_plan, store_or_reduce
+from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -78,81 +81,89 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
 
 
 @triton.jit
-def _e2m1_pair(t):
-    """int32 words holding E2M1 nibbles at bits 0-3 and 16-19 -> their two fp32 values × 2**-14.
-    One 32-bit AND/shift sequence decodes both halves (the fp16 bit trick above, twice)."""
-    bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-# The same decode of a whole word in PTX: four shift/mask sequences put nibble pairs (i, i+4)
-# in the two fp16 halves of a register, and each half converts to fp32 in one instruction
-# (Triton's version above spends a truncation and a shift per half). GPU only.
-_DECODE_WORD_PTX = tl.constexpr("""{
-.reg .b32 t<4>, u<3>;
-.reg .b16 h<8>;
-shl.b32 t0, $8, 9;  and.b32 t0, t0, 0x0E000E00; shl.b32 u0, $8, 12; and.b32 u0, u0, 0x80008000; or.b32 t0, t0, u0;
-shl.b32 t1, $8, 5;  and.b32 t1, t1, 0x0E000E00; shl.b32 u1, $8, 8;  and.b32 u1, u1, 0x80008000; or.b32 t1, t1, u1;
-shl.b32 t2, $8, 1;  and.b32 t2, t2, 0x0E000E00; shl.b32 u2, $8, 4;  and.b32 u2, u2, 0x80008000; or.b32 t2, t2, u2;
-shr.b32 t3, $8, 3;  and.b32 t3, t3, 0x0E000E00; and.b32 u0, $8, 0x80008000; or.b32 t3, t3, u0;
-mov.b32 {h0, h4}, t0; mov.b32 {h1, h5}, t1; mov.b32 {h2, h6}, t2; mov.b32 {h3, h7}, t3;
-cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3;
-cvt.f32.f16 $4, h4; cvt.f32.f16 $5, h5; cvt.f32.f16 $6, h6; cvt.f32.f16 $7, h7;
-}""")
+def _x16(xb, j, mask, x_mul):
+    """Activation j of each block, scaled and rounded to fp16 (half2.py), as fp32."""
+    return (tl.load(xb + j, mask=mask, other=0.0).to(tl.float32) * x_mul).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
-def _decode_word(v, ASM: tl.constexpr):
-    """int32 words (8 nibbles, k = 0..7 from the low bits) -> 8 fp32 tensors, E2M1 × 2**-14."""
-    if ASM:
-        return tl.inline_asm_elementwise(_DECODE_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [v],
-                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
-    w0, w4 = _e2m1_pair(v)
-    w1, w5 = _e2m1_pair(v >> 4)
-    w2, w6 = _e2m1_pair(v >> 8)
-    w3, w7 = _e2m1_pair(v >> 12)
-    return w0, w1, w2, w3, w4, w5, w6, w7
+def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_end, BN: tl.constexpr,
+               NB: tl.constexpr, INTERPRET: tl.constexpr):
+    """Blocks b0 … b0+NB-1 (masked at b_end) of rows rn: each block's two words, as one
+    [BN, 2·NB] load (16-byte loads) split in registers, and the block scales (E4M3 codes under
+    the interpreter, whose E4M3 conversion is unreliable: rounding.py)."""
+    kb = b0 + tl.arange(0, NB)
+    wmask = nmask[:, None] & (kb < b_end)[None, :]
+    rw = tl.arange(0, 2 * NB)
+    v = tl.load(w_ptr + rn[:, None] * stride_wn + 2 * b0 + rw[None, :],
+                mask=tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NB, 2)), (BN, 2 * NB)), other=0,
+                eviction_policy="evict_first")
+    v0, v1 = tl.split(tl.reshape(v, (BN, NB, 2)))
+    s_off = rn[:, None] * stride_sn + kb[None, :]
+    if INTERPRET:
+        s = tl.load(sc_ptr + s_off, mask=wmask, other=0).to(tl.int32)
+    else:
+        s = tl.load(sc8_ptr + s_off, mask=wmask, other=0.0, eviction_policy="evict_first")
+    return v0, v1, s
 
 
 @triton.jit
-def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K_WORDS, stride_wn,
-                          stride_sn, WORDS_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-                          INTERPRET: tl.constexpr, PTX: tl.constexpr):
+def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
+                          stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
+                          INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
-    and forces the decoded weights through a shared-memory layout change. Here the weights are
-    read as 32-bit words (8 nibbles, k = 8j … 8j+7; 16-byte loads along the row) and decoded two
-    nibbles per integer op (_e2m1_pair, or the PTX sequence when PTX); the products are summed
-    per word in registers, the word's block scale multiplies that sum, not each weight, and the
-    global scale multiplies the row's total once. It still reaches only 18–35 % of the copy
-    bandwidth on an H200 (BENCHMARKS.md): the instructions per weight (decode, fp16 -> fp32,
-    FMA, the activation loads), not the memory system, bound it."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    NW: tl.constexpr = BK // 8                               # words per tile row
-    rn = pid_n * BN + tl.arange(0, BN)
-    rw = tl.arange(0, NW)
-    nmask = rn < N
-    acc = tl.zeros((BN, NW), dtype=tl.float32)
-    # Counted in words, not weights, and no mask along K (the wrapper picks BK dividing K, the
-    # loop stops at K): what Triton needs to see to make the loads 16 bytes wide.
-    w_start = pid_k * WORDS_PER_SPLIT
-    for w0 in range(w_start, tl.minimum(w_start + WORDS_PER_SPLIT, K_WORDS), NW):
-        kw = w0 + rw                                         # word index along K
-        v = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=nmask[:, None], other=0,
-                    eviction_policy="evict_first")
-        ws = _decode_word(v, PTX)
-        part = tl.zeros((BN, NW), dtype=tl.float32)
-        for i in tl.static_range(8):
-            part += ws[i] * tl.load(x_ptr + kw * 8 + i).to(tl.float32)[None, :]
-        s_off = rn[:, None] * stride_sn + kw[None, :] // 2   # two words per 16-weight block
-        if INTERPRET:  # integer decode: the interpreter's E4M3 conversion is unreliable (rounding.py)
-            s = e4m3_value(tl.load(sc_ptr + s_off, mask=nmask[:, None], other=0).to(tl.int32))
+    and forces the decoded weights through a shared-memory layout change. Here a tile is BN
+    rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
+    time into fp16 pairs and multiplied with the activations by fma.rn.f16x2 (half2.py), the
+    block scale multiplies the block's sum in fp32, the global scale the row's total.
+
+    Latency, not arithmetic, bounds the 4B's layer shapes (a CTA streams a few tiles only), so
+    the next tile's loads are issued before this one is computed, and the first tile's before
+    the pass over the activations."""
+    pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
+    b_first = k_start // 16
+    b_end = k_end // 16
+    v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
+                           INTERPRET)
+    wait_for_inputs(PDL)
+    # The activations of this CTA's K range, scaled to max |x| = 2^15: products of E2M1 x 2^-14
+    # and x are then at most 12, a block's sum at most 192, far inside fp16 (half2.py).
+    rx = tl.arange(0, 16 * NB)
+    amax = tl.zeros((16 * NB,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, 16 * NB):
+        xv = tl.load(x_ptr + k0 + rx, mask=k0 + rx < k_end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xv))
+    x_amax = tl.maximum(tl.max(amax, 0), 1e-30)  # all-zero x: any finite scale will do
+    x_mul = 32768.0 / x_amax
+    rb = tl.arange(0, NB)
+    acc = tl.zeros((BN, NB), dtype=tl.float32)
+    for b0 in range(b_first, b_end, NB):
+        n0, n1, ns = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0 + NB, b_end, BN, NB,
+                                INTERPRET)  # the next tile (masked off after the last)
+        kb = b0 + rb                                        # block index along K
+        bmask = kb < b_end
+        xb = x_ptr + kb * 16
+        x0, x1, x2, x3 = _x16(xb, 0, bmask, x_mul), _x16(xb, 1, bmask, x_mul), _x16(xb, 2, bmask, x_mul), _x16(xb, 3, bmask, x_mul)
+        x4, x5, x6, x7 = _x16(xb, 4, bmask, x_mul), _x16(xb, 5, bmask, x_mul), _x16(xb, 6, bmask, x_mul), _x16(xb, 7, bmask, x_mul)
+        x8, x9, x10, x11 = _x16(xb, 8, bmask, x_mul), _x16(xb, 9, bmask, x_mul), _x16(xb, 10, bmask, x_mul), _x16(xb, 11, bmask, x_mul)
+        x12, x13, x14, x15 = _x16(xb, 12, bmask, x_mul), _x16(xb, 13, bmask, x_mul), _x16(xb, 14, bmask, x_mul), _x16(xb, 15, bmask, x_mul)
+        if PTX:
+            part = nvfp4_block_sum(v0, v1, pack_f16x2(x0, x4)[None, :], pack_f16x2(x1, x5)[None, :],
+                                   pack_f16x2(x2, x6)[None, :], pack_f16x2(x3, x7)[None, :],
+                                   pack_f16x2(x8, x12)[None, :], pack_f16x2(x9, x13)[None, :],
+                                   pack_f16x2(x10, x14)[None, :], pack_f16x2(x11, x15)[None, :])
         else:
-            s = tl.load(sc8_ptr + s_off, mask=nmask[:, None], other=0.0).to(tl.float32)
-        acc += part * s
-    y = tl.sum(acc, 1) * (16384.0 / tl.load(gs_ptr))
+            part = nvfp4_block_ref_sum(v0, v1, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
+                                       x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :],
+                                       x10[None, :], x11[None, :], x12[None, :], x13[None, :], x14[None, :],
+                                       x15[None, :])
+        if INTERPRET:
+            acc += part * e4m3_value(s)
+        else:
+            acc += part * s.to(tl.float32)
+        v0, v1, s = n0, n1, ns
+    # w = E2M1 · s / global, and the sums hold E2M1 · 2^-14 · x · x_mul.
+    y = tl.sum(acc, 1) * (x_amax * 0.5 / tl.load(gs_ptr))  # 2^14 / x_mul, without overflow
     if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
         y = round_bf16(y)
     store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
@@ -161,7 +172,7 @@ def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, 
 def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-               path: str = "auto", ptx: bool = True) -> torch.Tensor:
+               path: str = "auto", ptx: bool = True, pdl: bool | None = None) -> torch.Tensor:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
     ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops)."""
@@ -172,8 +183,6 @@ def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w
                          f"with scales {tuple(w_scale.shape)}")
     if m > 64:
         raise ValueError(f"gemv_nvfp4 is for decode (M <= 64), got M={m}; dequantize and use a GEMM above that")
-    if k % block_k:  # the M = 1 kernel reads whole tiles only (no mask along K)
-        block_k = next(b for b in (64, 32, 16) if k % b == 0)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if path == "fma" or (path == "auto" and m == 1):
         if m != 1:
@@ -182,10 +191,11 @@ def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w
         if w_packed.stride(0) % 4 or w_packed.stride(1) != 1 or w_packed.data_ptr() % 4:
             w_packed = w_packed.clone(memory_format=torch.contiguous_format)  # read as aligned int32 words
         _gemv_nvfp4_m1_kernel[grid](x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_scale,
-                                    w_global_scale.reshape(1).float(), out, ws, tick, n, k // 8, w_packed.stride(0) // 4,
-                                    w_scale.stride(0), k_per // 8, BN=block_n, BK=block_k, SPLIT_K=grid[1],
+                                    w_global_scale.reshape(1).float(), out, ws, tick, n, k, w_packed.stride(0) // 4,
+                                    w_scale.stride(0), k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1],
                                     num_warps=num_warps, num_stages=num_stages, INTERPRET=interp,
-                                    PTX=ptx and not interp)
+                                    PTX=ptx and not interp, PDL=use_pdl(x.device, pdl),
+                                    launch_pdl=use_pdl(x.device, pdl))
         return out
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),

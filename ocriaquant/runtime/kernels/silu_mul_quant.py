@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .rounding import FP8_MAX, e4m3_bits, e4m3_value, fp8_token_codes, fp8_token_scale, round_bf16
+from .splitk import release_dependents, use_pdl
 
 
 @triton.jit
@@ -33,7 +34,8 @@ def _silu_mul(g_ptr, u_ptr, offs, mask):
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)  # the next GEMV may start streaming its weights
     row = tl.program_id(0)
     r = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -50,7 +52,8 @@ def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOC
 
 
 @triton.jit
-def _silu_mul_bf16_kernel(g_ptr, u_ptr, h_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_bf16_kernel(g_ptr, u_ptr, h_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    release_dependents(PDL)  # the next GEMV may start streaming its weights
     row = tl.program_id(0)
     r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = r < I
@@ -96,12 +99,13 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
     if fmt == "fp8":
         q = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=gate.device)
         s = torch.empty(m, 1, dtype=torch.float32, device=gate.device)
-        _silu_mul_fp8_kernel[(m,)](gate, up, q.view(torch.uint8), s, i, gate.stride(0), up.stride(0), BLOCK=block, num_warps=8)
+        _silu_mul_fp8_kernel[(m,)](gate, up, q.view(torch.uint8), s, i, gate.stride(0), up.stride(0), BLOCK=block, num_warps=8,
+                                   PDL=use_pdl(gate.device, None))
         return q, s
     if fmt == "bf16":
         h = torch.empty(m, i, dtype=torch.bfloat16, device=gate.device)
         _silu_mul_bf16_kernel[(m, triton.cdiv(i, block))](gate, up, h, i, gate.stride(0), up.stride(0), BLOCK=block,
-                                                           num_warps=4)
+                                                           num_warps=4, PDL=use_pdl(gate.device, None))
         return h
     if fmt == "nvfp4":
         if input_global_scale is None or i % 16:

@@ -10,6 +10,8 @@ graph), no separate reduction kernel.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,46 @@ def launch_plan(m: int, n: int, k: int, block_n: int, block_k: int, device: torc
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device) if out is None else out
     ws, tick = workspace(device, (splits, bm, n), tiles)
     return bm, (tiles, splits), k_per, out, ws, tick
+
+
+def use_pdl(device: torch.device, pdl: bool | None) -> bool:
+    """Whether a GEMV launches with programmatic dependent launch (Hopper): its CTAs start
+    while the previous kernel drains and issue their first weight loads — which no earlier
+    kernel writes — before waiting on it (`wait_for_inputs`), so the weight stream does not
+    begin with a launch and a DRAM round trip. Off by default until measured end to end
+    (BENCHMARKS.md); OCRIAQUANT_PDL=1 turns it on. Never under the interpreter."""
+    if pdl is not None:
+        return pdl and device.type == "cuda"
+    return device.type == "cuda" and os.environ.get("OCRIAQUANT_PDL", "0") == "1" and \
+        torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def split_tile(N, K, K_PER_SPLIT, BN: tl.constexpr):
+    """This CTA's rows and K range in a (tiles along N, splits along K) grid: (pid_n, pid_k,
+    rows, row mask, k_start, k_end)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    k_start = pid_k * K_PER_SPLIT
+    return pid_n, pid_k, rn, rn < N, k_start, tl.minimum(k_start + K_PER_SPLIT, K)
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Let a PDL-launched GEMV that follows this kernel start now: its CTAs issue their weight
+    loads while this one runs, and wait for its completion before reading what it wrote."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Under PDL: wait until the previous kernel has finished (its writes visible), then let the
+    next one launch. Everything before this may read only constant data (weights, scales)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

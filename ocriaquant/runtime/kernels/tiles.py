@@ -16,10 +16,12 @@ from __future__ import annotations
 def m1_tile(kind: str, n: int, k: int) -> dict:
     """Keyword arguments for gemv_bf16 / gemv_fp8 / gemv_nvfp4 at M = 1."""
     wide_k = k >= 4096 and k % 1024 == 0
-    if kind == "nvfp4":
+    if kind in ("nvfp4", "fp8"):  # the paired-fp16 kernels (half2.py)
         if wide_k:
-            return dict(block_n=8, block_k=1024, split_k=2)
-        return dict(block_n=64, block_k=256, split_k=2 if n >= 16384 else None)
+            return dict(block_n=32, block_k=256 if kind == "nvfp4" else 512, split_k=k // 512)
+        if kind == "nvfp4":
+            return dict(block_n=64 if n >= 65536 else 32, block_k=256, split_k=None if n >= 65536 else 2)
+        return dict(block_n=32, block_k=512)
     if wide_k:
         return dict(block_n=8, block_k=1024)
     return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)

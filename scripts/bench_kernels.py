@@ -161,7 +161,7 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                         t[f"{fmt} PDL"] = float("nan")
                 log(f"  with PDL: bf16 {t['bf16 PDL']:.1f}us, fp8 {t['fp8 PDL']:.1f}us, nvfp4 {t['nvfp4 PDL']:.1f}us")
             if m == 1:  # session 4's fp32 CUDA-core FP8 path (gemv_m1), at its tile, for comparison
-                fma = m1_tile("fp8", n, k)
+                fma = m1_tile("bf16", n, k)  # the fp32 kernel's tiles (tiles.py)
                 t["fp8 fma"] = graph_time_us([lambda i=i: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i],
                                                                    path="fma", **fma) for i in range(nc)])
             wbytes = {"bf16": n * k * 2, "fp8": n * k + n * 2, "nvfp4": n * k // 2 + n * k // 16}

@@ -63,11 +63,12 @@ def use_pdl(device: torch.device, pdl: bool | None) -> bool:
     """Whether a GEMV launches with programmatic dependent launch (Hopper): its CTAs start
     while the previous kernel drains and issue their first weight loads — which no earlier
     kernel writes — before waiting on it (`wait_for_inputs`), so the weight stream does not
-    begin with a launch and a DRAM round trip. Off by default until measured end to end
-    (BENCHMARKS.md); OCRIAQUANT_PDL=1 turns it on. Never under the interpreter."""
+    begin with a launch and a DRAM round trip. On an H200 it took the mixed plan's batch-1
+    step from 2.75 to 2.57 ms (BENCHMARKS.md, session 5). OCRIAQUANT_PDL=0 turns it off;
+    never under the interpreter."""
     if pdl is not None:
         return pdl and device.type == "cuda"
-    return device.type == "cuda" and os.environ.get("OCRIAQUANT_PDL", "0") == "1" and \
+    return device.type == "cuda" and os.environ.get("OCRIAQUANT_PDL", "1") != "0" and \
         torch.cuda.get_device_capability(device)[0] >= 9
 
 

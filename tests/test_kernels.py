@@ -283,7 +283,23 @@ def test_add_rmsnorm_matches_torch_ops(b, d):
     assert torch.equal(s3, s_ref) and fp8_codes_match(q3, q_ref)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch is a GPU feature")
+def test_pdl_only_on_the_gpu(monkeypatch):
+    """PDL is a launch attribute of CUDA kernels: a CPU tensor (the interpreter, CI) never asks
+    for it, whatever the caller or OCRIAQUANT_PDL say, so the kernels take their plain path there
+    (every test above); on CUDA the caller's choice wins and OCRIAQUANT_PDL=0 turns the default off."""
+    from ocriaquant.runtime.kernels.splitk import use_pdl
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("OCRIAQUANT_PDL", "1")
+    assert not use_pdl(cpu, None) and not use_pdl(cpu, True)
+    cuda = torch.device("cuda")
+    assert use_pdl(cuda, True) and not use_pdl(cuda, False)  # explicit choices need no GPU query
+    monkeypatch.setenv("OCRIAQUANT_PDL", "0")
+    assert not use_pdl(cuda, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU "
+                    "(test_pdl_only_on_the_gpu covers the CPU side)")
 def test_gemv_pdl_in_graph(monkeypatch):
     """With PDL a GEMV starts while its producer runs and waits for it before reading x: in a
     CUDA graph behind add_rmsnorm (which releases it early) every format gives the same output

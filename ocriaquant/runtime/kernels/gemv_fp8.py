@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
-from .half2 import fp8_quad_ref_sum, fp8_quad_sum, pack_f16x2
+from .half2 import fp8_quad_dot
 from .rounding import e4m3_value, fp8_token_codes, fp8_token_scale, round_bf16
 from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
 
@@ -76,15 +76,9 @@ def _gemv_fp8_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, ti
                             _x16(x_ptr, x8_ptr, k + 10, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 11, qmask, INTERPRET))
         x12, x13, x14, x15 = (_x16(x_ptr, x8_ptr, k + 12, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 13, qmask, INTERPRET),
                               _x16(x_ptr, x8_ptr, k + 14, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 15, qmask, INTERPRET))
-        if INTERPRET:
-            acc += fp8_quad_ref_sum(v0, v1, v2, v3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
-                                    x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :], x10[None, :],
-                                    x11[None, :], x12[None, :], x13[None, :], x14[None, :], x15[None, :])
-        else:
-            acc += fp8_quad_sum(v0, v1, v2, v3, pack_f16x2(x0, x1)[None, :], pack_f16x2(x2, x3)[None, :],
-                                pack_f16x2(x4, x5)[None, :], pack_f16x2(x6, x7)[None, :], pack_f16x2(x8, x9)[None, :],
-                                pack_f16x2(x10, x11)[None, :], pack_f16x2(x12, x13)[None, :],
-                                pack_f16x2(x14, x15)[None, :])
+        acc += fp8_quad_dot(v0, v1, v2, v3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
+                            x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :], x10[None, :],
+                            x11[None, :], x12[None, :], x13[None, :], x14[None, :], x15[None, :], not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
@@ -95,11 +89,11 @@ def _gemv_fp8_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, ti
 def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl):
     n, k = w_q.shape
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x_q.device, split_k, out)
+    pdl = use_pdl(x_q.device, pdl)
     _gemv_fp8_m1_kernel[grid](x_q, x_q.view(torch.uint8), x_scale.reshape(-1).float(), w_q.view(torch.int32),
                               w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
                               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                              num_warps=num_warps, num_stages=num_stages, PDL=use_pdl(x_q.device, pdl),
-                              launch_pdl=use_pdl(x_q.device, pdl))
+                              num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
     return out
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

@@ -78,10 +78,11 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
     if fp8 != (x.dtype == torch.float8_e4m3fn) or fp8 != (x_scale is not None and w_scale is not None):
         raise ValueError("gemv_m1: x and w are both bf16, or both E4M3 with x_scale and w_scale")
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
+    pdl = use_pdl(x.device, pdl)
     as_bytes = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
     _gemv_m1_kernel[grid](x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
                           w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
                           BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8,
                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                          num_stages=num_stages, PDL=use_pdl(x.device, pdl), launch_pdl=use_pdl(x.device, pdl))
+                          num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
     return out

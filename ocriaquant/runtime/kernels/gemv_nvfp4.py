@@ -9,10 +9,8 @@ Layouts as export writes them (compressed-tensors `nvfp4-pack-quantized`): weigh
 uint8 [N, K/2] (even k in the low nibble), weight_scale E4M3 [N, K/16], weight_global_scale
 fp32 [1]; dequantized w = e2m1 · (scale / global).
 
-Decoding a nibble costs a few integer ops per weight, so it is done the cheap way: the three
-magnitude bits placed at bit 9 of an fp16 (exponent field = E2M1 exponent, top mantissa bit
-= E2M1 mantissa) are the E2M1 value times 2⁻¹⁴ — subnormal for 0 and ±0.5, exactly as E2M1
-itself — and the 2¹⁴ goes into the block scale (a power of two, so rounding is unchanged).
+Nibbles decode to E2M1 × 2⁻¹⁴ in fp16 with a few integer ops (half2.e2m1_times_2m14); the
+2¹⁴ goes into the block scale (a power of two, so rounding is unchanged).
 
 Triton's interpreter (CI) computes tl.dot wrongly on BF16 values converted inside the kernel
 (a 16×16 product came out ~1e10), and its fp32 -> bf16 conversion truncates. Under
@@ -28,16 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .half2 import nvfp4_block_ref_sum, nvfp4_block_sum, pack_f16x2
+from .half2 import e2m1_times_2m14, nvfp4_block_dot
 from .rounding import e4m3_value, round_bf16
 from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
-
-
-@triton.jit
-def _e2m1_times_2m14(nib):
-    """int16 nibbles -> fp16 values = E2M1(nib) * 2**-14 (sign in bit 3)."""
-    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -66,8 +57,8 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
             s = e4m3_value(tl.load(sc_ptr + s_off, mask=s_mask, other=0).to(tl.int32))
         else:
             s = tl.load(sc8_ptr + s_off, mask=s_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        lo = _e2m1_times_2m14(p & 15)
-        hi = _e2m1_times_2m14((p >> 4) & 15)
+        lo = e2m1_times_2m14(p & 15)
+        hi = e2m1_times_2m14((p >> 4) & 15)
         w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16)).to(tl.float32)
         w = tl.reshape(w * (s * inv_gs)[:, :, None], (BN, BK))
         ks = k0 + rk
@@ -147,16 +138,9 @@ def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, 
         x4, x5, x6, x7 = _x16(xb, 4, bmask, x_mul), _x16(xb, 5, bmask, x_mul), _x16(xb, 6, bmask, x_mul), _x16(xb, 7, bmask, x_mul)
         x8, x9, x10, x11 = _x16(xb, 8, bmask, x_mul), _x16(xb, 9, bmask, x_mul), _x16(xb, 10, bmask, x_mul), _x16(xb, 11, bmask, x_mul)
         x12, x13, x14, x15 = _x16(xb, 12, bmask, x_mul), _x16(xb, 13, bmask, x_mul), _x16(xb, 14, bmask, x_mul), _x16(xb, 15, bmask, x_mul)
-        if PTX:
-            part = nvfp4_block_sum(v0, v1, pack_f16x2(x0, x4)[None, :], pack_f16x2(x1, x5)[None, :],
-                                   pack_f16x2(x2, x6)[None, :], pack_f16x2(x3, x7)[None, :],
-                                   pack_f16x2(x8, x12)[None, :], pack_f16x2(x9, x13)[None, :],
-                                   pack_f16x2(x10, x14)[None, :], pack_f16x2(x11, x15)[None, :])
-        else:
-            part = nvfp4_block_ref_sum(v0, v1, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
-                                       x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :],
-                                       x10[None, :], x11[None, :], x12[None, :], x13[None, :], x14[None, :],
-                                       x15[None, :])
+        part = nvfp4_block_dot(v0, v1, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
+                               x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :], x10[None, :],
+                               x11[None, :], x12[None, :], x13[None, :], x14[None, :], x15[None, :], PTX)
         if INTERPRET:
             acc += part * e4m3_value(s)
         else:
@@ -188,14 +172,14 @@ def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w
         if m != 1:
             raise ValueError(f"gemv_nvfp4: the fma path is for M = 1, got M={m}")
         _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
+        pdl = use_pdl(x.device, pdl)
         if w_packed.stride(0) % 4 or w_packed.stride(1) != 1 or w_packed.data_ptr() % 4:
             w_packed = w_packed.clone(memory_format=torch.contiguous_format)  # read as aligned int32 words
         _gemv_nvfp4_m1_kernel[grid](x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_scale,
                                     w_global_scale.reshape(1).float(), out, ws, tick, n, k, w_packed.stride(0) // 4,
                                     w_scale.stride(0), k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1],
                                     num_warps=num_warps, num_stages=num_stages, INTERPRET=interp,
-                                    PTX=ptx and not interp, PDL=use_pdl(x.device, pdl),
-                                    launch_pdl=use_pdl(x.device, pdl))
+                                    PTX=ptx and not interp, PDL=pdl, launch_pdl=pdl)
         return out
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),

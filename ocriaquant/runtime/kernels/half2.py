@@ -14,7 +14,7 @@ two or by 2^15 / max|x| so that no fp16 product or block sum can overflow, round
 and packed two to a 32-bit word in the order the weight decoder produces its halves.
 
 Under TRITON_INTERPRET=1 (CI) inline PTX cannot run; the same sums are then taken in fp32 from
-the same fp16 values (`*_ref_sum`), which agrees with the GPU's fp16 block sums to fp16
+the same fp16 values (`_*_ref`), which agrees with the GPU's fp16 block sums to fp16
 rounding — what the kernel tests bound against the float64 reference.
 """
 
@@ -33,20 +33,25 @@ def pack_f16x2(lo, hi):
 
 
 @triton.jit
-def e2m1_pair(t):
-    """int32 words holding E2M1 nibbles at bits 0-3 and 16-19 -> their two values × 2**-14 (fp32):
-    the three magnitude bits placed at bit 9 of an fp16 are the E2M1 value times 2^-14 (subnormal
-    for 0 and ±0.5, exactly as E2M1 itself), the sign goes to bit 15."""
-    bits = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+def e2m1_times_2m14(nib):
+    """Integer nibbles -> fp16 values E2M1(nib) × 2^-14: the three magnitude bits placed at bit 9
+    of an fp16 (exponent field = E2M1 exponent, top mantissa bit = E2M1 mantissa) are the E2M1
+    value times 2^-14 — subnormal for 0 and ±0.5, exactly as E2M1 itself; the sign (bit 3) goes
+    to bit 15."""
+    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_pair(t):
+    """int32 words holding nibbles at bits 0-3 and 16-19 -> their two values × 2^-14, fp32."""
+    return e2m1_times_2m14(t & 15).to(tl.float32), e2m1_times_2m14((t >> 16) & 15).to(tl.float32)
 
 
 # One NVFP4 block (16 weights = two 32-bit words, $1 and $2; k = 0..7 from the low nibble of
 # $1) times its activations ($3..$10: per word, the fp16 pairs (x[i], x[i+4]) for i = 0..3).
 # Nibble pair (i, i+4) of a word sits at bits 4i and 4i+16: one shift puts its magnitudes at
-# bits 9-11 and 25-27, another its signs at 15 and 31 (the decode of e2m1_pair, on both halves
+# bits 9-11 and 25-27, another its signs at 15 and 31 (e2m1_times_2m14's decode, on both halves
 # at once); ptxas folds each and/or pair into one LOP3. Out: the block's sum × 2^-14, fp32.
 _NVFP4_BLOCK_PTX = tl.constexpr("""{
 .reg .b32 a, b, p, acc;
@@ -66,7 +71,7 @@ cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; add.f32 $0, fl, fh;
 
 
 @triton.jit
-def nvfp4_block_sum(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7):
+def _nvfp4_block_ptx(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7):
     """Σ E2M1(w) · x × 2^-14 over one block per element: v0, v1 its two words, x0..x7 the packed
     activation pairs (pack_f16x2; x0..x3 for v0, x4..x7 for v1). GPU only."""
     return tl.inline_asm_elementwise(_NVFP4_BLOCK_PTX, "=r,r,r,r,r,r,r,r,r,r,r",
@@ -77,16 +82,16 @@ def nvfp4_block_sum(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7):
 @triton.jit
 def _nvfp4_word_ref(v, xa, xb, xc, xd, xe, xf, xg, xh):
     """Σ over one word's 8 weights of E2M1 × 2^-14 × x, in fp32, x* the word's 8 activations."""
-    w0, w4 = e2m1_pair(v)
-    w1, w5 = e2m1_pair(v >> 4)
-    w2, w6 = e2m1_pair(v >> 8)
-    w3, w7 = e2m1_pair(v >> 12)
+    w0, w4 = _e2m1_pair(v)
+    w1, w5 = _e2m1_pair(v >> 4)
+    w2, w6 = _e2m1_pair(v >> 8)
+    w3, w7 = _e2m1_pair(v >> 12)
     return w0 * xa + w1 * xb + w2 * xc + w3 * xd + w4 * xe + w5 * xf + w6 * xg + w7 * xh
 
 
 @triton.jit
-def nvfp4_block_ref_sum(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """nvfp4_block_sum in fp32 Triton ops (any backend), from the 16 unpacked fp16 activations."""
+def _nvfp4_block_ref(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """_nvfp4_block_ptx in fp32 Triton ops (any backend), from the 16 unpacked fp16 activations."""
     return (_nvfp4_word_ref(v0, x0, x1, x2, x3, x4, x5, x6, x7)
             + _nvfp4_word_ref(v1, x8, x9, x10, x11, x12, x13, x14, x15))
 
@@ -112,7 +117,7 @@ cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; add.f32 $0, fl, fh;
 
 
 @triton.jit
-def fp8_quad_sum(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7):
+def _fp8_quad_ptx(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7):
     """Σ E4M3(w) · x over 16 weights per element: v0..v3 their words, x0..x7 the packed
     activation pairs (pack_f16x2(x[2j], x[2j+1])). GPU only."""
     return tl.inline_asm_elementwise(_FP8_QUAD_PTX, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
@@ -127,7 +132,33 @@ def _fp8_word_ref(v, xa, xb, xc, xd):
 
 
 @triton.jit
-def fp8_quad_ref_sum(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """fp8_quad_sum in fp32 Triton ops (any backend), from the 16 unpacked fp16 activations."""
+def _fp8_quad_ref(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """_fp8_quad_ptx in fp32 Triton ops (any backend), from the 16 unpacked fp16 activations."""
     return (_fp8_word_ref(v0, x0, x1, x2, x3) + _fp8_word_ref(v1, x4, x5, x6, x7)
             + _fp8_word_ref(v2, x8, x9, x10, x11) + _fp8_word_ref(v3, x12, x13, x14, x15))
+
+
+@triton.jit
+def nvfp4_block_dot(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                    PTX: tl.constexpr):
+    """Σ E2M1(w) · x × 2^-14 over one NVFP4 block per element of v0, v1 (its two words; k = 0..7
+    from the low nibble of v0, 8..15 of v1), x0..x15 the block's activations as fp16-exact fp32
+    (broadcast against the words). PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
+    if PTX:
+        return _nvfp4_block_ptx(v0, v1, pack_f16x2(x0, x4), pack_f16x2(x1, x5), pack_f16x2(x2, x6),
+                                pack_f16x2(x3, x7), pack_f16x2(x8, x12), pack_f16x2(x9, x13),
+                                pack_f16x2(x10, x14), pack_f16x2(x11, x15))
+    return _nvfp4_block_ref(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+
+
+@triton.jit
+def fp8_quad_dot(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+                 PTX: tl.constexpr):
+    """Σ E4M3(w) · x over 16 weights per element of v0..v3 (their words, k = 0..15 from the low
+    byte of v0), x0..x15 their activations as fp16-exact fp32 (broadcast against the words).
+    PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
+    if PTX:
+        return _fp8_quad_ptx(v0, v1, v2, v3, pack_f16x2(x0, x1), pack_f16x2(x2, x3), pack_f16x2(x4, x5),
+                             pack_f16x2(x6, x7), pack_f16x2(x8, x9), pack_f16x2(x10, x11), pack_f16x2(x12, x13),
+                             pack_f16x2(x14, x15))
+    return _fp8_quad_ref(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)

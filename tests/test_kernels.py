@@ -140,8 +140,20 @@ def test_silu_mul_quant(m, i):
     assert torch.equal(sc.view(torch.uint8), sc_ref.view(torch.uint8))
     assert torch.equal(p, p_ref)
 
-    # bf16: the product alone, what a W4A16 down_proj reads, equal to torch's two ops
-    assert torch.equal(silu_mul_quant(gate, up, "bf16", block=256), silu_mul_quant_ref(gate, up, "bf16"))
+    # bf16: the product alone, what a W4A16 down_proj reads, equal to torch's two ops; with
+    # pairs also its NVFP4 activation pairs (gemv_nvfp4's batch-1 input)
+    h_ref = silu_mul_quant_ref(gate, up, "bf16")
+    assert torch.equal(silu_mul_quant(gate, up, "bf16", block=256), h_ref)
+    if i % 16 == 0:
+        from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs_ref
+
+        h, (words, scales) = silu_mul_quant(gate, up, "bf16", block=256, pairs=True)
+        w_ref, s_ref = nvfp4_x_pairs_ref(h_ref)
+        assert torch.equal(h, h_ref) and torch.equal(words, w_ref) and torch.equal(scales, s_ref)
+    # fp8 with half: the same codes, and their values × 2^-8 in fp16 (gemv_fp8's batch-1 input)
+    q2, s2, half = silu_mul_quant(gate, up, "fp8", block=256, half=True)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    assert torch.equal(half, q.to(torch.float16) * 2.0**-8)
 
 
 def _gdn_inputs(bsz, slots, H, HV, K, V, seed):
@@ -274,13 +286,58 @@ def test_add_rmsnorm_matches_torch_ops(b, d):
     assert rel(y, y_ref) <= 4e-3 and float((y == y_ref).float().mean()) >= 0.98
     r2, y2 = add_rmsnorm(x, None, w, 1e-6)
     assert r2 is x and rel(y2, add_rmsnorm_ref(x, None, w, 1e-6)[1]) <= 4e-3
-    # fp8=True: the bf16 output is the same, and its FP8 codes and scale are quant_fp8_per_token's
+    # quant="fp8": the bf16 output is the same, and its FP8 codes and scale are quant_fp8_per_token's;
+    # at B = 1 also the codes' values × 2^-8 in fp16, what gemv_fp8's batch-1 kernel reads
     from ocriaquant.runtime.kernels import quant_fp8_per_token
+    from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs_ref
 
-    r3, y3, (q3, s3) = add_rmsnorm(x, h, w, 1e-6, fp8=True)
+    r3, y3, (q3, s3, *half) = add_rmsnorm(x, h, w, 1e-6, quant="fp8")
     assert torch.equal(r3, r) and torch.equal(y3, y)
     q_ref, s_ref = quant_fp8_per_token(y3)
     assert torch.equal(s3, s_ref) and fp8_codes_match(q3, q_ref)
+    assert len(half) == (b == 1)
+    if half:
+        assert torch.equal(half[0], q3.to(torch.float16) * 2.0**-8)
+    # quant="nvfp4": at B = 1 y's activation pairs for gemv_nvfp4's batch-1 kernel; none above
+    out = add_rmsnorm(x, h, w, 1e-6, quant="nvfp4")
+    assert torch.equal(out[1], y)
+    if b == 1:
+        words, scales = out[2]
+        w_ref, s_ref = nvfp4_x_pairs_ref(y)
+        assert torch.equal(words, w_ref) and torch.equal(scales, s_ref)
+    else:
+        assert len(out) == 2
+
+
+def test_nvfp4_x_pairs_equal_reference():
+    """The NVFP4 activation pairs (half2.nvfp4_pairs) equal an independent torch construction,
+    bit for bit, over 40 decades of magnitude, an all-zero block, blocks whose small values
+    become fp16 subnormals, and a row that is not a whole number of kernel blocks. A block of
+    fp32 subnormals (|x| < 2^-126) only has to stay finite and tiny: the interpreter's and the
+    GPU's handling of those differ, and they add nothing a BF16 output could hold."""
+    from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs, nvfp4_x_pairs_ref
+
+    torch.manual_seed(11)
+    k = 1024 + 96
+    x = torch.randn(3, k, device=DEV) * torch.logspace(-30, 10, k, device=DEV)
+    x[0, :16] = 0
+    x[2, 32:48:3] *= 2.0**-20  # fp16 subnormals once scaled
+    x[1, 16:32] = 1e-39  # fp32 subnormals
+    x = x.bfloat16()
+    words, scales = nvfp4_x_pairs(x, block=512)
+    w_ref, s_ref = nvfp4_x_pairs_ref(x)
+    tiny = torch.zeros(3, k // 2, dtype=torch.bool, device=DEV)
+    tiny[1, 8:16] = True
+    assert torch.equal(words[~tiny], w_ref[~tiny]) and torch.equal(scales, s_ref)
+    sub = words[1, 8:16].contiguous().view(torch.float16).double() * float(scales[1, 1]) * 2.0**-14
+    assert bool((sub.abs() <= 2e-38).all())
+    # decoded back, the pairs times their scales are x wherever fp16 holds it (all but the
+    # values under 2^-29 of their block's maximum)
+    h = words.view(torch.float16).reshape(3, k // 16, 16)[..., [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]]
+    back = (h.double() * scales[..., None].double() * 2.0**-14).reshape(3, k)
+    big = x.double().abs() >= x.double().reshape(3, -1, 16).abs().amax(-1).repeat_interleave(16, -1) * 2.0**-29
+    big[1, 16:32] = False
+    assert torch.equal(back[big], x.double()[big])
 
 
 def test_pdl_only_on_the_gpu(monkeypatch):
@@ -317,9 +374,10 @@ def test_gemv_pdl_in_graph(monkeypatch):
     norm_w = torch.randn(k, dtype=torch.bfloat16, device=DEV) * 0.1
 
     def step(pdl):
-        _, y, (q, s) = add_rmsnorm(x, h, norm_w, 1e-6, fp8=True)
-        return (gemv_bf16(y, w, pdl=pdl), gemv_fp8(q, s, w_q, w_s, pdl=pdl),
-                gemv_nvfp4(y, packed, scales, gs, pdl=pdl))
+        _, y, (q, s, half) = add_rmsnorm(x, h, norm_w, 1e-6, quant="fp8")
+        _, _, pairs = add_rmsnorm(x, h, norm_w, 1e-6, quant="nvfp4")
+        return (gemv_bf16(y, w, pdl=pdl), gemv_fp8(q, s, w_q, w_s, pdl=pdl, x_half=half),
+                gemv_nvfp4(y, packed, scales, gs, pdl=pdl, x_pairs=pairs))
 
     step(True)
     g = torch.cuda.CUDAGraph()

@@ -77,8 +77,10 @@ class QuantLinear(nn.Module):
         return self.triton and x.ndim >= 2 and x.numel() // x.shape[-1] <= 64 and x.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
-        """x_q: x already quantized per token (E4M3, scale), e.g. by add_rmsnorm; an FP8 Linear
-        on the kernel path uses it instead of quantizing x again, the others ignore it."""
+        """x_q: x already in the form this Linear's GEMV reads, written by the producer
+        (add_rmsnorm, silu_mul_quant): for FP8 (E4M3, scale[, fp16 pairs at M = 1]), for NVFP4
+        at M = 1 (words, block scales) (kernels/half2.py). The kernel path uses it instead of
+        converting x again; the torch path ignores it."""
         if self.uses_kernels(x):
             return self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q).reshape(*x.shape[:-1], -1)
         if self.kind == "fp8":
@@ -89,8 +91,7 @@ class QuantLinear(nn.Module):
 
     def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
         """Decode (M <= 64): FP8 through gemv_fp8 at every M; BF16 and NVFP4 through their
-        weight-streaming GEMVs at M = 1, cuBLAS above. `x_q` = (E4M3, scale) when the producer
-        already quantized the activations (add_rmsnorm, silu_mul_quant)."""
+        weight-streaming GEMVs at M = 1, cuBLAS above. `x_q`: see forward."""
         from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
 
         m = x.shape[0]
@@ -99,16 +100,19 @@ class QuantLinear(nn.Module):
 
             self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
         tile = self._m1_tile if m == 1 else {}
+        # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs
+        form = None if x_q is None else x_q[0].dtype
         if self.kind == "fp8":
-            q, s = x_q if x_q is not None else quant_fp8_per_token(x.contiguous())
-            return gemv_fp8(q, s, self.w_q, self.w_scale, **tile)
+            q, s, *half = x_q if form == torch.float8_e4m3fn else quant_fp8_per_token(x.contiguous(), half=m == 1)
+            return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, **tile)
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         if m > 1:  # BF16 and W4A16 above batch 1: cuBLAS on the dequantized weight was faster on the H200
             return F.linear(x, self.weight)  # (BENCHMARKS.md: M = 8 and 64), and computes the same values
         if self.kind == "bf16":
             return gemv_bf16(x.contiguous(), self.weight, **tile)
-        return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale, **tile)
+        return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale,
+                          x_pairs=x_q if form == torch.int32 else None, **tile)
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":
@@ -197,8 +201,12 @@ class MLP(nn.Module):
         if down.uses_kernels(x):
             from .kernels import silu_mul_quant
 
+            m1 = x.shape[0] == 1
             if down.kind == "fp8":  # silu·mul and the per-token FP8 quantization down_proj needs, in one pass
-                return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8"))
+                return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8", half=m1))
+            if down.kind == "nvfp4" and m1:  # and the activation pairs its batch-1 GEMV reads
+                h, pairs = silu_mul_quant(gate, up, "bf16", pairs=True)
+                return down.forward_kernels(h, pairs)
             return down.forward_kernels(silu_mul_quant(gate, up, "bf16"))
         return down(F.silu(gate) * up)
 

@@ -113,11 +113,15 @@ class RuntimeModel(nn.Module):
             for layer in self.layers:
                 layer.mixer.fuse()
                 layer.mlp.fuse()
-        # Which norms feed only FP8 Linears: those quantize their output for them (add_rmsnorm).
-        fp8_in = lambda linears: backend == "triton" and all(q.kind == "fp8" for q in linears)  # noqa: E731
-        self._fp8_inputs = [(fp8_in(layer.mixer.input_linears()), fp8_in(layer.mlp.input_linears()))
+        # Norms whose Linears all read FP8 or all NVFP4 (W4A16) write their output in the form
+        # those GEMVs read as well (add_rmsnorm's quant), saving a launch or a pass per GEMV.
+        def quant_for(linears):
+            kinds = {q.kind for q in linears}
+            return next(iter(kinds)) if backend == "triton" and len(kinds) == 1 and kinds <= {"fp8", "nvfp4"} else None
+
+        self._norm_quant = [(quant_for(layer.mixer.input_linears()), quant_for(layer.mlp.input_linears()))
                             for layer in self.layers]
-        self._fp8_head = fp8_in([self.lm_head])
+        self._head_quant = quant_for([self.lm_head])
         self.backend = backend
         self.to(device)
         self.device = torch.device(device)
@@ -186,13 +190,13 @@ class RuntimeModel(nn.Module):
             from .kernels import add_rmsnorm
 
             h = None
-            for layer, st, (mixer_fp8, mlp_fp8) in zip(self.layers, self.state, self._fp8_inputs):
-                x, n, *n_q = add_rmsnorm(x, h, layer.input_layernorm.weight, layer.input_layernorm.eps, mixer_fp8)
+            for layer, st, (mixer_q, mlp_q) in zip(self.layers, self.state, self._norm_quant):
+                x, n, *n_q = add_rmsnorm(x, h, layer.input_layernorm.weight, layer.input_layernorm.eps, mixer_q)
                 h = layer.mixer.decode(n, st, step, *n_q)
                 x, n, *n_q = add_rmsnorm(x, h, layer.post_attention_layernorm.weight,
-                                         layer.post_attention_layernorm.eps, mlp_fp8)
+                                         layer.post_attention_layernorm.eps, mlp_q)
                 h = layer.mlp(n, *n_q)
-            _, n, *n_q = add_rmsnorm(x, h, self.norm.weight, self.norm.eps, self._fp8_head)
+            _, n, *n_q = add_rmsnorm(x, h, self.norm.weight, self.norm.eps, self._head_quant)
             return self.lm_head(n, *n_q)
         for layer, st in zip(self.layers, self.state):
             x = x + layer.mixer.decode(layer.input_layernorm(x), st, step)

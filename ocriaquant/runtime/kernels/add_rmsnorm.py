@@ -14,15 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .half2 import fp8_pairs, store_nvfp4_pairs
 from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import release_dependents, use_pdl
+from .splitk import start_after_producer, use_pdl
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, D, eps, stride_x, stride_h, stride_r,
+def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, D, eps, stride_x, stride_h, stride_r,
                         stride_y, HAS_H: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr,
                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    release_dependents(PDL)  # the next GEMV may start streaming its weights
+    """QUANT: 0 none; 1 FP8 codes (q) and scale (s); 2 those and their fp16 pairs (p); 3 NVFP4
+    activation pairs, words in q and block scales in s (half2.py)."""
+    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
     rd = tl.arange(0, BD)
     m = rd < D
@@ -34,31 +37,55 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, D, eps,
         r = round_bf16(r) if INTERPRET else r.to(tl.bfloat16).to(tl.float32)
         tl.store(r_ptr + row * stride_r + rd, r.to(r_ptr.dtype.element_ty), mask=m)
     y = r * tl.rsqrt(tl.sum(r * r, 0) / D + eps) * (1.0 + tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32))
-    y = round_bf16(y)  # the bf16 output, which the FP8 codes below are made from
+    y = round_bf16(y)  # the bf16 output, which the quantized forms below are made from
     tl.store(y_ptr + row * stride_y + rd, y.to(y_ptr.dtype.element_ty), mask=m)
-    if QUANT:  # quant_fp8_per_token's numerics (gemv_fp8.py), on the row already in registers
+    if QUANT == 1 or QUANT == 2:  # quant_fp8_per_token's numerics (gemv_fp8.py), on the row in registers
         scale = fp8_token_scale(tl.max(tl.abs(y), 0))
-        tl.store(q_ptr + row * D + rd, fp8_token_codes(y, scale).to(tl.uint8), mask=m)
+        codes = fp8_token_codes(y, scale)
+        tl.store(q_ptr + row * D + rd, codes.to(tl.uint8), mask=m)
         tl.store(s_ptr + row, scale)
+        if QUANT == 2:
+            tl.store(p_ptr + row * D + rd, fp8_pairs(codes), mask=m)
+    if QUANT == 3:
+        store_nvfp4_pairs(y, q_ptr + row * (D // 2), s_ptr + row * (D // 16), 0, D)
 
 
-def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool = False):
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                quant: str | None = None):
     """x, h bf16 [B, D] (h None: norm only), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
-    None r is x itself. fp8: also y quantized per token for an FP8 GEMV, returned as a third
-    item (E4M3 [B, D], fp32 scale [B, 1]) — quant_fp8_per_token(y) without its launch."""
+    None r is x itself. y is also written in the form the next GEMV reads, as a third item:
+    - quant="fp8": (E4M3 [B, D], fp32 scale [B, 1]) — quant_fp8_per_token(y) without its launch
+      — and at B = 1 the codes' fp16 pairs [1, D] for gemv_fp8's batch-1 kernel;
+    - quant="nvfp4": at B = 1, (int32 [1, D/2], fp32 [1, D/16]), y's pairs for gemv_nvfp4's
+      batch-1 kernel (nvfp4_x_pairs); above B = 1 nothing (the W4A16 Linears take y itself)."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"add_rmsnorm: x must be bf16 with contiguous rows, got {x.dtype} {tuple(x.stride())}")
+    if quant not in (None, "fp8", "nvfp4"):
+        raise ValueError(f"add_rmsnorm: quant must be None, 'fp8' or 'nvfp4', got {quant!r}")
     b, d = x.shape
     y = torch.empty_like(x)
     r = torch.empty_like(x) if h is not None else x
     hh = h if h is not None else x
-    q = torch.empty(b, d, dtype=torch.float8_e4m3fn, device=x.device) if fp8 else y
-    s = torch.empty(b, 1, dtype=torch.float32, device=x.device) if fp8 else y
-    _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, q.view(torch.uint8) if fp8 else y, s, d, eps, x.stride(0),
-                              hh.stride(0), r.stride(0), y.stride(0), HAS_H=h is not None, QUANT=fp8,
-                              BD=triton.next_power_of_2(d), INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                              num_warps=8 if d > 2048 else 4, PDL=use_pdl(x.device, None))
-    return (r, y, (q, s)) if fp8 else (r, y)
+    code, extra = 0, None
+    q = s = p = y
+    if quant == "fp8":
+        q = torch.empty(b, d, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(b, 1, dtype=torch.float32, device=x.device)
+        code, extra = 1, (q, s)
+        if b == 1:
+            p = torch.empty(b, d, dtype=torch.float16, device=x.device)
+            code, extra = 2, (q, s, p)
+        q = q.view(torch.uint8)
+    elif quant == "nvfp4" and b == 1 and d % 16 == 0:
+        q = torch.empty(b, d // 2, dtype=torch.int32, device=x.device)
+        s = torch.empty(b, d // 16, dtype=torch.float32, device=x.device)
+        code, extra = 3, (q, s)
+    pdl = use_pdl(x.device, None)
+    _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), hh.stride(0), r.stride(0),
+                              y.stride(0), HAS_H=h is not None, QUANT=code, BD=triton.next_power_of_2(d),
+                              INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                              num_warps=8 if d > 2048 else 4, PDL=pdl, launch_pdl=pdl)
+    return (r, y) if extra is None else (r, y, extra)
 
 
 def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float):

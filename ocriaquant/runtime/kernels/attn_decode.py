@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .rounding import round_bf16
-from .splitk import release_dependents, use_pdl
+from .splitk import start_after_producer, use_pdl
 
 CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
 
@@ -31,7 +31,9 @@ CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV
 @triton.jit
 def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qh,
                        c_stride_slot, c_stride_h, c_stride_t, scale, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
-                       HD: tl.constexpr, BT: tl.constexpr, CHUNK_: tl.constexpr, INTERPRET: tl.constexpr):
+                       HD: tl.constexpr, BT: tl.constexpr, CHUNK_: tl.constexpr, INTERPRET: tl.constexpr,
+                       PDL: tl.constexpr):
+    start_after_producer(PDL)  # q and the new token's k/v come from qk_norm_rope
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -80,7 +82,7 @@ def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, p
 @triton.jit
 def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, stride_ob, stride_oh, stride_gb, stride_gh, NSPLIT,
                        HEADS, HD: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
-    release_dependents(PDL)  # the next GEMV may start streaming its weights
+    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     b = tl.program_id(0)
     h = tl.program_id(1)
     rs = tl.arange(0, SP)
@@ -119,17 +121,18 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     pm = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
     pl = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = use_pdl(dev, None)
     _attn_chunk_kernel[(bsz, kvh, nsplit)](
         q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
-        BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=4)
+        BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=4, PDL=pdl, launch_pdl=pdl)
     out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")
     g = gate if gate is not None else out
     _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit,
                                      heads, HD=hd, SP=triton.next_power_of_2(nsplit), GATED=gate is not None,
-                                     num_warps=4, PDL=use_pdl(dev, None))
+                                     num_warps=4, PDL=pdl, launch_pdl=pdl)
     return out
 
 

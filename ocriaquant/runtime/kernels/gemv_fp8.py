@@ -17,20 +17,9 @@ import triton.language as tl
 
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
-from .half2 import fp8_quad_dot
-from .rounding import e4m3_value, fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
-
-
-@triton.jit
-def _x16(x_ptr, x8_ptr, k, mask, INTERPRET: tl.constexpr):
-    """Activation codes k as fp16-exact fp32 values × 2^-8 (half2.py: E4M3 · E4M3 products
-    reach 448², past fp16; with x ≤ 1.75 they stay under 784, a quad's sum under 6,272)."""
-    if INTERPRET:  # integer decode: the interpreter's E4M3 conversion is unreliable (rounding.py)
-        v = e4m3_value(tl.load(x8_ptr + k, mask=mask, other=0).to(tl.int32))
-    else:
-        v = tl.load(x_ptr + k, mask=mask, other=0.0).to(tl.float32)
-    return v * 0.00390625
+from .half2 import fp8_pairs, fp8_quad_dot
+from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
+from .splitk import launch_plan, split_tile, start_after_producer, store_or_reduce, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -50,12 +39,13 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
 
 
 @triton.jit
-def _gemv_fp8_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
+def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
-    fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total."""
+    fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
+    The activations arrive as fp16 pairs (half2.fp8_pairs: codes × 2^-8, xh int32 [K/2])."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     rq = tl.arange(0, NQ)
     acc = tl.zeros((BN, NQ), dtype=tl.float32)
@@ -67,18 +57,13 @@ def _gemv_fp8_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, ti
         n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ)
         kq = q0 + rq                                         # quad index along K
         qmask = kq < q_end
-        k = kq * 16
-        x0, x1, x2, x3 = (_x16(x_ptr, x8_ptr, k, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 1, qmask, INTERPRET),
-                          _x16(x_ptr, x8_ptr, k + 2, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 3, qmask, INTERPRET))
-        x4, x5, x6, x7 = (_x16(x_ptr, x8_ptr, k + 4, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 5, qmask, INTERPRET),
-                          _x16(x_ptr, x8_ptr, k + 6, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 7, qmask, INTERPRET))
-        x8, x9, x10, x11 = (_x16(x_ptr, x8_ptr, k + 8, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 9, qmask, INTERPRET),
-                            _x16(x_ptr, x8_ptr, k + 10, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 11, qmask, INTERPRET))
-        x12, x13, x14, x15 = (_x16(x_ptr, x8_ptr, k + 12, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 13, qmask, INTERPRET),
-                              _x16(x_ptr, x8_ptr, k + 14, qmask, INTERPRET), _x16(x_ptr, x8_ptr, k + 15, qmask, INTERPRET))
-        acc += fp8_quad_dot(v0, v1, v2, v3, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
-                            x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :], x10[None, :],
-                            x11[None, :], x12[None, :], x13[None, :], x14[None, :], x15[None, :], not INTERPRET)
+        xq = xh_ptr + kq * 8
+        p0, p1, p2, p3 = (tl.load(xq, mask=qmask, other=0), tl.load(xq + 1, mask=qmask, other=0),
+                          tl.load(xq + 2, mask=qmask, other=0), tl.load(xq + 3, mask=qmask, other=0))
+        p4, p5, p6, p7 = (tl.load(xq + 4, mask=qmask, other=0), tl.load(xq + 5, mask=qmask, other=0),
+                          tl.load(xq + 6, mask=qmask, other=0), tl.load(xq + 7, mask=qmask, other=0))
+        acc += fp8_quad_dot(v0, v1, v2, v3, p0[None, :], p1[None, :], p2[None, :], p3[None, :], p4[None, :],
+                            p5[None, :], p6[None, :], p7[None, :], not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
@@ -86,22 +71,28 @@ def _gemv_fp8_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, ti
     store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
 
 
-def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl):
+def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half):
     n, k = w_q.shape
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x_q.device, split_k, out)
     pdl = use_pdl(x_q.device, pdl)
-    _gemv_fp8_m1_kernel[grid](x_q, x_q.view(torch.uint8), x_scale.reshape(-1).float(), w_q.view(torch.int32),
+    if x_half is None:  # E4M3 -> fp16 is exact, and so is the power of two
+        x_half = x_q.to(torch.float16) * 0.00390625
+    _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(), w_q.view(torch.int32),
                               w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
                               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                               num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
     return out
 
+
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
              split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-             path: str = "auto", pdl: bool | None = None) -> torch.Tensor:
+             path: str = "auto", pdl: bool | None = None, x_half: torch.Tensor | None = None) -> torch.Tensor:
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
-    path: "fma" (M = 1 only, CUDA cores: gemv_m1.py), "dot" (tensor cores), "auto" (fma at M = 1)."""
+    path: "half2" (M = 1, paired fp16 on CUDA cores), "fma" (M = 1, fp32 on CUDA cores:
+    gemv_m1.py), "dot" (tensor cores), "auto" (half2 at M = 1 where K and the rows allow).
+    x_half: fp16 [1, K], x_q's values × 2^-8 (half2.fp8_pairs), already written by the
+    producer, for the half2 path (None: converted here, one more launch)."""
     m, k = x_q.shape
     if w_q.shape[1] != k:
         raise ValueError(f"gemv_fp8: x has K={k} but the weight is {tuple(w_q.shape)}")
@@ -112,7 +103,8 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
         if m != 1 or not half2_ok:
             raise ValueError(f"gemv_fp8: the half2 path is for M = 1 and K a multiple of 16 with aligned rows, "
                              f"got M={m}, w {tuple(w_q.shape)}")
-        return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl)
+        return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl,
+                            x_half)
     if path == "fma" or (path == "auto" and m == 1):
         return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
                        num_warps=num_warps, num_stages=num_stages, pdl=pdl)
@@ -121,7 +113,9 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, BK: tl.constexpr, HALF: tl.constexpr,
+                      PDL: tl.constexpr):
+    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
     rk = tl.arange(0, BK)
     amax = tl.zeros((BK,), dtype=tl.float32)
@@ -131,17 +125,25 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BK: tl.constexpr):
     scale = fp8_token_scale(tl.max(amax, 0))
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * K + k0 + rk, fp8_token_codes(x, scale).to(tl.uint8), mask=k0 + rk < K)
+        codes = fp8_token_codes(x, scale)
+        tl.store(q_ptr + row * K + k0 + rk, codes.to(tl.uint8), mask=k0 + rk < K)
+        if HALF:
+            tl.store(h_ptr + row * K + k0 + rk, fp8_pairs(codes), mask=k0 + rk < K)
     tl.store(s_ptr + row, scale)
 
 
-def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]), numerics of quant.fp8.fake_quant_activation."""
+def quant_fp8_per_token(x: torch.Tensor, half: bool = False) -> tuple[torch.Tensor, ...]:
+    """bf16 [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]), numerics of quant.fp8.fake_quant_activation;
+    half: and a third item, the codes' values × 2^-8 in fp16 (half2.fp8_pairs), what
+    gemv_fp8's batch-1 kernel reads."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    _quant_fp8_kernel[(m,)](x, q.view(torch.uint8), s, k, x.stride(0), BK=min(4096, triton.next_power_of_2(k)), num_warps=8)
-    return q, s
+    h = torch.empty(m, k, dtype=torch.float16, device=x.device) if half else s
+    pdl = use_pdl(x.device, None)
+    _quant_fp8_kernel[(m,)](x, q.view(torch.uint8), s, h, k, x.stride(0), BK=min(4096, triton.next_power_of_2(k)),
+                            HALF=half, PDL=pdl, launch_pdl=pdl, num_warps=8)
+    return (q, s, h) if half else (q, s)
 
 
 def gemv_fp8_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

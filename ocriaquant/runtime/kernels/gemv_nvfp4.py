@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .half2 import e2m1_times_2m14, nvfp4_block_dot
+from .half2 import e2m1_times_2m14, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
 
@@ -72,12 +72,6 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
 
 
 @triton.jit
-def _x16(xb, j, mask, x_mul):
-    """Activation j of each block, scaled and rounded to fp16 (half2.py), as fp32."""
-    return (tl.load(xb + j, mask=mask, other=0.0).to(tl.float32) * x_mul).to(tl.float16).to(tl.float32)
-
-
-@triton.jit
 def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_end, BN: tl.constexpr,
                NB: tl.constexpr, INTERPRET: tl.constexpr):
     """Blocks b0 … b0+NB-1 (masked at b_end) of rows rn: each block's two words, as one
@@ -99,33 +93,26 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 
 
 @triton.jit
-def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
+def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
                           stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
                           INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
     time into fp16 pairs and multiplied with the activations by fma.rn.f16x2 (half2.py), the
-    block scale multiplies the block's sum in fp32, the global scale the row's total.
+    block scales (the weight's and the activations' 2^e) multiply the block's sum in fp32, the
+    global scale the row's total. The activations arrive as fp16 pairs (half2.nvfp4_pairs:
+    xw int32 [K/2], xs fp32 [K/16]).
 
     Latency, not arithmetic, bounds the 4B's layer shapes (a CTA streams a few tiles only), so
     the next tile's loads are issued before this one is computed, and the first tile's before
-    the pass over the activations."""
+    waiting on the kernel that wrote the activations."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     b_first = k_start // 16
     b_end = k_end // 16
     v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
                            INTERPRET)
     wait_for_inputs(PDL)
-    # The activations of this CTA's K range, scaled to max |x| = 2^15: products of E2M1 x 2^-14
-    # and x are then at most 12, a block's sum at most 192, far inside fp16 (half2.py).
-    rx = tl.arange(0, 16 * NB)
-    amax = tl.zeros((16 * NB,), dtype=tl.float32)
-    for k0 in range(k_start, k_end, 16 * NB):
-        xv = tl.load(x_ptr + k0 + rx, mask=k0 + rx < k_end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-    x_amax = tl.maximum(tl.max(amax, 0), 1e-30)  # all-zero x: any finite scale will do
-    x_mul = 32768.0 / x_amax
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for b0 in range(b_first, b_end, NB):
@@ -133,33 +120,77 @@ def _gemv_nvfp4_m1_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, 
                                 INTERPRET)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
-        xb = x_ptr + kb * 16
-        x0, x1, x2, x3 = _x16(xb, 0, bmask, x_mul), _x16(xb, 1, bmask, x_mul), _x16(xb, 2, bmask, x_mul), _x16(xb, 3, bmask, x_mul)
-        x4, x5, x6, x7 = _x16(xb, 4, bmask, x_mul), _x16(xb, 5, bmask, x_mul), _x16(xb, 6, bmask, x_mul), _x16(xb, 7, bmask, x_mul)
-        x8, x9, x10, x11 = _x16(xb, 8, bmask, x_mul), _x16(xb, 9, bmask, x_mul), _x16(xb, 10, bmask, x_mul), _x16(xb, 11, bmask, x_mul)
-        x12, x13, x14, x15 = _x16(xb, 12, bmask, x_mul), _x16(xb, 13, bmask, x_mul), _x16(xb, 14, bmask, x_mul), _x16(xb, 15, bmask, x_mul)
-        part = nvfp4_block_dot(v0, v1, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :],
-                               x5[None, :], x6[None, :], x7[None, :], x8[None, :], x9[None, :], x10[None, :],
-                               x11[None, :], x12[None, :], x13[None, :], x14[None, :], x15[None, :], PTX)
+        xb = xw_ptr + kb * 8
+        p0, p1, p2, p3 = (tl.load(xb, mask=bmask, other=0), tl.load(xb + 1, mask=bmask, other=0),
+                          tl.load(xb + 2, mask=bmask, other=0), tl.load(xb + 3, mask=bmask, other=0))
+        p4, p5, p6, p7 = (tl.load(xb + 4, mask=bmask, other=0), tl.load(xb + 5, mask=bmask, other=0),
+                          tl.load(xb + 6, mask=bmask, other=0), tl.load(xb + 7, mask=bmask, other=0))
+        xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
+        part = nvfp4_block_dot(v0, v1, p0[None, :], p1[None, :], p2[None, :], p3[None, :], p4[None, :],
+                               p5[None, :], p6[None, :], p7[None, :], PTX)
         if INTERPRET:
-            acc += part * e4m3_value(s)
+            acc += part * (e4m3_value(s) * xs[None, :])
         else:
-            acc += part * s.to(tl.float32)
+            acc += part * (s.to(tl.float32) * xs[None, :])
         v0, v1, s = n0, n1, ns
-    # w = E2M1 · s / global, and the sums hold E2M1 · 2^-14 · x · x_mul.
-    y = tl.sum(acc, 1) * (x_amax * 0.5 / tl.load(gs_ptr))  # 2^14 / x_mul, without overflow
+    # w = E2M1 · s / global; the sums hold E2M1 · 2^-14 · x · 2^(14 - e), times 2^e above.
+    y = tl.sum(acc, 1) / tl.load(gs_ptr)
     if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
         y = round_bf16(y)
     store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
 
 
+@triton.jit
+def _nvfp4_pairs_kernel(x_ptr, xw_ptr, xs_ptr, K, stride_xm, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_xm + r, mask=r < K, other=0.0).to(tl.float32)
+    store_nvfp4_pairs(x, xw_ptr + row * (K // 2), xs_ptr + row * (K // 16), tl.program_id(1) * BLOCK, K)
+
+
+def nvfp4_x_pairs(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [M, K] (K a multiple of 16) -> (int32 [M, K/2], fp32 [M, K/16]): the activations as
+    gemv_nvfp4's batch-1 kernel reads them (half2.nvfp4_pairs). The runtime's producers
+    (add_rmsnorm, silu_mul_quant) write these themselves; this is for everything else."""
+    m, k = x.shape
+    if k % 16 or x.stride(-1) != 1:
+        raise ValueError(f"nvfp4_x_pairs: K must be a multiple of 16 with contiguous rows, got {tuple(x.shape)}")
+    xw = torch.empty(m, k // 2, dtype=torch.int32, device=x.device)
+    xs = torch.empty(m, k // 16, dtype=torch.float32, device=x.device)
+    block = min(block, triton.next_power_of_2(k))
+    _nvfp4_pairs_kernel[(m, triton.cdiv(k, block))](x, xw, xs, k, x.stride(0), BLOCK=block, num_warps=4)
+    return xw, xs
+
+
+def nvfp4_x_pairs_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: nvfp4_x_pairs' words and scales (the scaling, fp16 rounding and order of
+    half2.nvfp4_pairs, written independently: exponents from frexp, powers of two built from
+    their bits, so that no log2 or pow rounding on any device can move them)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 16, 16)
+    amax = blocks.abs().amax(-1)
+    e = (torch.frexp(amax)[1].long() - 1).where(amax >= 2.0 ** -126, torch.tensor(-100, device=x.device))
+    e = e.clamp(min=-100)
+
+    def pow2(n):
+        return ((n + 1023) << 52).view(torch.float64)
+
+    h = (blocks.double() * pow2(14 - e)[..., None]).to(torch.float16)
+    order = [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]  # (lo, hi) of words 0..7
+    words = h[..., order].contiguous().view(torch.int32).reshape(m, k // 2)
+    return words, pow2(e).float()
+
+
 def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-               path: str = "auto", ptx: bool = True, pdl: bool | None = None) -> torch.Tensor:
+               path: str = "auto", ptx: bool = True, pdl: bool | None = None,
+               x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
-    ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops)."""
+    ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops).
+    x_pairs: x as nvfp4_x_pairs gives it, already written by the producer (M = 1 path only;
+    None: made here, one more launch)."""
     m, k = x.shape
     n = w_packed.shape[0]
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
@@ -175,7 +206,8 @@ def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w
         pdl = use_pdl(x.device, pdl)
         if w_packed.stride(0) % 4 or w_packed.stride(1) != 1 or w_packed.data_ptr() % 4:
             w_packed = w_packed.clone(memory_format=torch.contiguous_format)  # read as aligned int32 words
-        _gemv_nvfp4_m1_kernel[grid](x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_scale,
+        xw, xs = x_pairs if x_pairs is not None else nvfp4_x_pairs(x.contiguous())
+        _gemv_nvfp4_m1_kernel[grid](xw, xs, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_scale,
                                     w_global_scale.reshape(1).float(), out, ws, tick, n, k, w_packed.stride(0) // 4,
                                     w_scale.stride(0), k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1],
                                     num_warps=num_warps, num_stages=num_stages, INTERPRET=interp,

@@ -8,10 +8,20 @@ Here two weights are decoded into the two halves of one register and multiplied 
 activations with one `fma.rn.f16x2`; a block's products are summed in fp16 and only the block
 sum is converted to fp32, where the block scale multiplies it.
 
-The activations are made ready once per CTA and K-tile, not per weight: scaled by a power of
-two or by 2^15 / max|x| so that no fp16 product or block sum can overflow, rounded to fp16
-(11 significant bits; BF16 has 8, so x loses nothing but values under 2^-24 of the largest),
-and packed two to a 32-bit word in the order the weight decoder produces its halves.
+The activations come ready from the kernel that produced them (add_rmsnorm, silu_mul_quant,
+quant_fp8_per_token): scaled by a power of two so that no fp16 product or block sum can
+overflow, rounded to fp16 and packed two to a 32-bit word in the order the weight decoder
+produces its halves. Preparing them inside the GEMV cost every thread that held a K-tile a
+load, a conversion, a multiply and a pack per activation, repeated by each thread of the same
+column: ~1.3 of the ~5.4 instructions per weight of NVFP4's 2560-wide shapes, plus a pass over
+x for its maximum (sm_90 SASS, session 6). Now a thread loads eight words per 16 weights.
+
+- FP8 (`fp8_pairs`): the E4M3 codes × 2^-8 as fp16, in K order — exact, since E4M3 ⊂ fp16.
+- NVFP4 (`nvfp4_pairs`): each 16-value block scaled by 2^(14 - e), e = ⌊log2 max|x|⌋ of the
+  block, so that its largest value lies in [2^14, 2^15); with E2M1 · 2^-14 weights every
+  product is then < 12 and a block sum < 192. Power-of-two scales keep BF16 values exact in
+  fp16 (11 significant bits against BF16's 8) down to 2^-29 of the block's maximum; the
+  block's 2^e multiplies its fp32 sum beside the weight's block scale.
 
 Under TRITON_INTERPRET=1 (CI) inline PTX cannot run; the same sums are then taken in fp32 from
 the same fp16 values (`_*_ref`), which agrees with the GPU's fp16 block sums to fp16
@@ -30,6 +40,50 @@ def pack_f16x2(lo, hi):
     lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return lo_bits | (hi_bits << 16)
+
+
+@triton.jit
+def unpack_f16x2(w):
+    """int32 words from pack_f16x2 -> (lo, hi) as fp32."""
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def fp8_pairs(codes):
+    """E4M3 codes (int32) -> their values × 2^-8 in fp16, stored in K order for gemv_fp8's
+    batch-1 kernel, which reads them two to a 32-bit word. E4M3 · E4M3 products reach 448²,
+    past fp16; × 2^-8 they stay under 784 (x ≤ 1.75), each half of a paired 16-weight sum
+    under 6,272."""
+    return (e4m3_value(codes) * 0.00390625).to(tl.float16)
+
+
+@triton.jit
+def nvfp4_pairs(x):
+    """fp32 [NBLK, 16] (BF16 values), one NVFP4 block of activations per row -> (int32 words
+    [NBLK, 8] in the decoder's order — (x[i], x[i+4]) for i = 0..3, then (x[8+i], x[12+i]) —,
+    fp32 [NBLK]: 2^e, what the block's sum is multiplied by). See the module docstring."""
+    nblk: tl.constexpr = x.shape[0]
+    amax = tl.max(tl.abs(x), 1)
+    e = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -100)  # ⌊log2⌋; 0 and tiny: -100
+    x_mul = ((141 - e) << 23).to(tl.float32, bitcast=True)    # 2^(14 - e)
+    t = tl.permute(tl.reshape(x * x_mul[:, None], (nblk, 2, 2, 4)), (0, 1, 3, 2))  # [blk, half, i, +0/+4]
+    lo, hi = tl.split(t)
+    return tl.reshape(pack_f16x2(lo, hi), (nblk, 8)), ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_nvfp4_pairs(x, xw_ptr, xs_ptr, k0, K):
+    """Activations x (fp32 [BLOCK], elements k0 … of a row of K) -> their nvfp4_pairs words and
+    block scales, stored at xw_ptr / xs_ptr (the row's start). What producers call on the part
+    of a row they hold."""
+    nblk: tl.constexpr = x.shape[0] // 16
+    words, scales = nvfp4_pairs(tl.reshape(x, (nblk, 16)))
+    rw = k0 // 2 + tl.arange(0, 8 * nblk)
+    tl.store(xw_ptr + rw, tl.reshape(words, (8 * nblk,)), mask=rw < K // 2)
+    rs = k0 // 16 + tl.arange(0, nblk)
+    tl.store(xs_ptr + rs, scales, mask=rs < K // 16)
 
 
 @triton.jit
@@ -80,20 +134,20 @@ def _nvfp4_block_ptx(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _nvfp4_word_ref(v, xa, xb, xc, xd, xe, xf, xg, xh):
-    """Σ over one word's 8 weights of E2M1 × 2^-14 × x, in fp32, x* the word's 8 activations."""
-    w0, w4 = _e2m1_pair(v)
-    w1, w5 = _e2m1_pair(v >> 4)
-    w2, w6 = _e2m1_pair(v >> 8)
-    w3, w7 = _e2m1_pair(v >> 12)
-    return w0 * xa + w1 * xb + w2 * xc + w3 * xd + w4 * xe + w5 * xf + w6 * xg + w7 * xh
+def _nvfp4_pair_ref(t, p):
+    """Nibbles 0 and 4 of word t times the activation pair p, in fp32."""
+    w_lo, w_hi = _e2m1_pair(t)
+    x_lo, x_hi = unpack_f16x2(p)
+    return w_lo * x_lo + w_hi * x_hi
 
 
 @triton.jit
-def _nvfp4_block_ref(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """_nvfp4_block_ptx in fp32 Triton ops (any backend), from the 16 unpacked fp16 activations."""
-    return (_nvfp4_word_ref(v0, x0, x1, x2, x3, x4, x5, x6, x7)
-            + _nvfp4_word_ref(v1, x8, x9, x10, x11, x12, x13, x14, x15))
+def _nvfp4_block_ref(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7):
+    """_nvfp4_block_ptx in fp32 Triton ops (any backend): word pair i holds (x[i], x[i+4]), the
+    activations of nibbles i and i+4."""
+    return (_nvfp4_pair_ref(v0, p0) + _nvfp4_pair_ref(v0 >> 4, p1) + _nvfp4_pair_ref(v0 >> 8, p2)
+            + _nvfp4_pair_ref(v0 >> 12, p3) + _nvfp4_pair_ref(v1, p4) + _nvfp4_pair_ref(v1 >> 4, p5)
+            + _nvfp4_pair_ref(v1 >> 8, p6) + _nvfp4_pair_ref(v1 >> 12, p7))
 
 
 # Four FP8 words (16 E4M3 weights, k = 0..15 from the low byte of $1) times their activations
@@ -126,39 +180,35 @@ def _fp8_quad_ptx(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _fp8_word_ref(v, xa, xb, xc, xd):
-    return (e4m3_value(v & 255) * xa + e4m3_value((v >> 8) & 255) * xb + e4m3_value((v >> 16) & 255) * xc
-            + e4m3_value((v >> 24) & 255) * xd)
+def _fp8_pair_ref(t, p):
+    """Bytes 0 and 1 of word t times the activation pair p, in fp32."""
+    x_lo, x_hi = unpack_f16x2(p)
+    return e4m3_value(t & 255) * x_lo + e4m3_value((t >> 8) & 255) * x_hi
 
 
 @triton.jit
-def _fp8_quad_ref(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
-    """_fp8_quad_ptx in fp32 Triton ops (any backend), from the 16 unpacked fp16 activations."""
-    return (_fp8_word_ref(v0, x0, x1, x2, x3) + _fp8_word_ref(v1, x4, x5, x6, x7)
-            + _fp8_word_ref(v2, x8, x9, x10, x11) + _fp8_word_ref(v3, x12, x13, x14, x15))
+def _fp8_quad_ref(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7):
+    """_fp8_quad_ptx in fp32 Triton ops (any backend)."""
+    return (_fp8_pair_ref(v0, p0) + _fp8_pair_ref(v0 >> 16, p1) + _fp8_pair_ref(v1, p2) + _fp8_pair_ref(v1 >> 16, p3)
+            + _fp8_pair_ref(v2, p4) + _fp8_pair_ref(v2 >> 16, p5) + _fp8_pair_ref(v3, p6)
+            + _fp8_pair_ref(v3 >> 16, p7))
 
 
 @triton.jit
-def nvfp4_block_dot(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                    PTX: tl.constexpr):
+def nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX: tl.constexpr):
     """Σ E2M1(w) · x × 2^-14 over one NVFP4 block per element of v0, v1 (its two words; k = 0..7
-    from the low nibble of v0, 8..15 of v1), x0..x15 the block's activations as fp16-exact fp32
-    (broadcast against the words). PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
+    from the low nibble of v0, 8..15 of v1), p0..p7 the block's activation words (nvfp4_pairs;
+    broadcast against the words). PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
     if PTX:
-        return _nvfp4_block_ptx(v0, v1, pack_f16x2(x0, x4), pack_f16x2(x1, x5), pack_f16x2(x2, x6),
-                                pack_f16x2(x3, x7), pack_f16x2(x8, x12), pack_f16x2(x9, x13),
-                                pack_f16x2(x10, x14), pack_f16x2(x11, x15))
-    return _nvfp4_block_ref(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        return _nvfp4_block_ptx(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)
+    return _nvfp4_block_ref(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)
 
 
 @triton.jit
-def fp8_quad_dot(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                 PTX: tl.constexpr):
+def fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, PTX: tl.constexpr):
     """Σ E4M3(w) · x over 16 weights per element of v0..v3 (their words, k = 0..15 from the low
-    byte of v0), x0..x15 their activations as fp16-exact fp32 (broadcast against the words).
-    PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
+    byte of v0), p0..p7 their activation words (fp8_pairs, two to a word in K order; broadcast
+    against the words). PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
     if PTX:
-        return _fp8_quad_ptx(v0, v1, v2, v3, pack_f16x2(x0, x1), pack_f16x2(x2, x3), pack_f16x2(x4, x5),
-                             pack_f16x2(x6, x7), pack_f16x2(x8, x9), pack_f16x2(x10, x11), pack_f16x2(x12, x13),
-                             pack_f16x2(x14, x15))
-    return _fp8_quad_ref(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        return _fp8_quad_ptx(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7)
+    return _fp8_quad_ref(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .rounding import round_bf16
+from .splitk import start_after_producer, use_pdl
 
 
 @triton.jit
@@ -43,7 +44,8 @@ def _norm_rope(src, w_ptr, cos_ptr, sin_ptr, eps, HD, ROT, BD: tl.constexpr):
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
                          len_ptr, stride_qb, stride_qh, stride_kb, stride_vb, stride_cb, c_stride_slot, c_stride_h,
-                         c_stride_t, HEADS, HD, ROT, eps, BD: tl.constexpr):
+                         c_stride_t, HEADS, HD, ROT, eps, BD: tl.constexpr, PDL: tl.constexpr):
+    start_after_producer(PDL)  # q, k, v come from the GEMV before this kernel
     b = tl.program_id(0)
     h = tl.program_id(1)
     rd = tl.arange(0, BD)
@@ -78,10 +80,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit "
                          f"the cache {tuple(k_cache.shape)}")
     q_out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=q.device)
+    pdl = use_pdl(q.device, None)
     _qk_norm_rope_kernel[(bsz, heads + kvh)](
         q, k, v, q_weight, k_weight, cos, sin, q_out, k_cache, v_cache, slots, lengths, q.stride(0), q.stride(1),
         k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, hd,
-        rot, eps, BD=triton.next_power_of_2(hd), num_warps=2)
+        rot, eps, BD=triton.next_power_of_2(hd), num_warps=2, PDL=pdl, launch_pdl=pdl)
     return q_out
 
 

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .half2 import fp8_pairs, store_nvfp4_pairs
 from .rounding import FP8_MAX, e4m3_bits, e4m3_value, fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import release_dependents, use_pdl
+from .splitk import start_after_producer, use_pdl
 
 
 @triton.jit
@@ -34,8 +35,9 @@ def _silu_mul(g_ptr, u_ptr, offs, mask):
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    release_dependents(PDL)  # the next GEMV may start streaming its weights
+def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, p_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr,
+                         HALF: tl.constexpr, PDL: tl.constexpr):
+    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
     r = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -47,18 +49,25 @@ def _silu_mul_fp8_kernel(g_ptr, u_ptr, q_ptr, s_ptr, I, stride_g, stride_u, BLOC
     for k0 in range(0, I, BLOCK):
         m = k0 + r < I
         h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, k0 + r, m)
-        tl.store(q_ptr + row * I + k0 + r, fp8_token_codes(h, scale).to(tl.uint8), mask=m)
+        codes = fp8_token_codes(h, scale)
+        tl.store(q_ptr + row * I + k0 + r, codes.to(tl.uint8), mask=m)
+        if HALF:  # the codes as gemv_fp8's batch-1 kernel reads them (half2.py)
+            tl.store(p_ptr + row * I + k0 + r, fp8_pairs(codes), mask=m)
     tl.store(s_ptr + row, scale)
 
 
 @triton.jit
-def _silu_mul_bf16_kernel(g_ptr, u_ptr, h_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    release_dependents(PDL)  # the next GEMV may start streaming its weights
+def _silu_mul_bf16_kernel(g_ptr, u_ptr, h_ptr, xw_ptr, xs_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr,
+                          PAIRS: tl.constexpr, PDL: tl.constexpr):
+    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
-    r = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    k0 = tl.program_id(1) * BLOCK
+    r = k0 + tl.arange(0, BLOCK)
     m = r < I
     h = _silu_mul(g_ptr + row * stride_g, u_ptr + row * stride_u, r, m)
     tl.store(h_ptr + row * I + r, h.to(h_ptr.dtype.element_ty), mask=m)
+    if PAIRS:  # the product as gemv_nvfp4's batch-1 kernel reads it (half2.py)
+        store_nvfp4_pairs(h, xw_ptr + row * (I // 2), xs_ptr + row * (I // 16), k0, I)
 
 
 @triton.jit
@@ -88,25 +97,35 @@ def _silu_mul_nvfp4_kernel(g_ptr, u_ptr, p_ptr, sc_ptr, gs_ptr, I, stride_g, str
 
 
 def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
-                   input_global_scale: torch.Tensor | None = None, block: int = 2048):
+                   input_global_scale: torch.Tensor | None = None, block: int = 2048, half: bool = False,
+                   pairs: bool = False):
     """gate, up bf16 [M, I] (row stride free, e.g. halves of a fused gate_up output) ->
-    fp8: (E4M3 [M, I], fp32 scale [M, 1]); nvfp4: (uint8 [M, I/2], E4M3 scales [M, I/16]);
-    bf16: the product [M, I] alone."""
+    fp8: (E4M3 [M, I], fp32 scale [M, 1]), with half also the codes' fp16 pairs [M, I] (gemv_fp8's
+    batch-1 input); nvfp4: (uint8 [M, I/2], E4M3 scales [M, I/16]); bf16: the product [M, I],
+    with pairs (h, (int32 [M, I/2], fp32 [M, I/16])), its NVFP4 activation pairs (gemv_nvfp4's
+    batch-1 input, half2.py)."""
     m, i = gate.shape
     if up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError(f"silu_mul_quant: gate {tuple(gate.shape)} and up {tuple(up.shape)} must match, rows contiguous")
     block = min(block, triton.next_power_of_2(i))
+    pdl = use_pdl(gate.device, None)
     if fmt == "fp8":
         q = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=gate.device)
         s = torch.empty(m, 1, dtype=torch.float32, device=gate.device)
-        _silu_mul_fp8_kernel[(m,)](gate, up, q.view(torch.uint8), s, i, gate.stride(0), up.stride(0), BLOCK=block, num_warps=8,
-                                   PDL=use_pdl(gate.device, None))
-        return q, s
+        p = torch.empty(m, i, dtype=torch.float16, device=gate.device) if half else s
+        _silu_mul_fp8_kernel[(m,)](gate, up, q.view(torch.uint8), s, p, i, gate.stride(0), up.stride(0), BLOCK=block,
+                                   HALF=half, num_warps=8, PDL=pdl, launch_pdl=pdl)
+        return (q, s, p) if half else (q, s)
     if fmt == "bf16":
+        if pairs and i % 16:
+            raise ValueError(f"silu_mul_quant: NVFP4 activation pairs need I a multiple of 16, got {i}")
         h = torch.empty(m, i, dtype=torch.bfloat16, device=gate.device)
-        _silu_mul_bf16_kernel[(m, triton.cdiv(i, block))](gate, up, h, i, gate.stride(0), up.stride(0), BLOCK=block,
-                                                           num_warps=4, PDL=use_pdl(gate.device, None))
-        return h
+        xw = torch.empty(m, i // 2, dtype=torch.int32, device=gate.device) if pairs else h
+        xs = torch.empty(m, i // 16, dtype=torch.float32, device=gate.device) if pairs else h
+        _silu_mul_bf16_kernel[(m, triton.cdiv(i, block))](gate, up, h, xw, xs, i, gate.stride(0), up.stride(0),
+                                                           BLOCK=block, PAIRS=pairs, num_warps=4,
+                                                           PDL=pdl, launch_pdl=pdl)
+        return (h, (xw, xs)) if pairs else h
     if fmt == "nvfp4":
         if input_global_scale is None or i % 16:
             raise ValueError("silu_mul_quant nvfp4 needs input_global_scale and I a multiple of 16")

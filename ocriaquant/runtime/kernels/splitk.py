@@ -60,12 +60,14 @@ def launch_plan(m: int, n: int, k: int, block_n: int, block_k: int, device: torc
 
 
 def use_pdl(device: torch.device, pdl: bool | None) -> bool:
-    """Whether a GEMV launches with programmatic dependent launch (Hopper): its CTAs start
-    while the previous kernel drains and issue their first weight loads — which no earlier
-    kernel writes — before waiting on it (`wait_for_inputs`), so the weight stream does not
-    begin with a launch and a DRAM round trip. On an H200 it took the mixed plan's batch-1
-    step from 2.75 to 2.57 ms (BENCHMARKS.md, session 5). OCRIAQUANT_PDL=0 turns it off;
-    never under the interpreter."""
+    """Whether a decode kernel launches with programmatic dependent launch (Hopper): its CTAs
+    start while the previous kernel drains. A GEMV issues its first weight loads — which no
+    earlier kernel writes — before waiting on it (`wait_for_inputs`), so the weight stream does
+    not begin with a launch and a DRAM round trip; gdn_decode does the same with its state at
+    batch 1; the small kernels wait first (`start_after_producer`) and gain the launch. On an
+    H200 the GEMVs took the mixed plan's batch-1 step from 2.75 to 2.57 ms (BENCHMARKS.md,
+    session 5); with everything of session 6, 2.59 ms without PDL against 2.26 ms with it.
+    OCRIAQUANT_PDL=0 turns it off; never under the interpreter."""
     if pdl is not None:
         return pdl and device.type == "cuda"
     return device.type == "cuda" and os.environ.get("OCRIAQUANT_PDL", "1") != "0" and \
@@ -84,11 +86,14 @@ def split_tile(N, K, K_PER_SPLIT, BN: tl.constexpr):
 
 
 @triton.jit
-def release_dependents(PDL: tl.constexpr):
-    """Let a PDL-launched GEMV that follows this kernel start now: its CTAs issue their weight
-    loads while this one runs, and wait for its completion before reading what it wrote."""
+def start_after_producer(PDL: tl.constexpr):
+    """First statement of a small PDL-launched kernel (norms, activation quantization, attention):
+    let the kernel after it launch now — a GEMV, which streams weights until it waits on this
+    one —, then wait for the kernel before it, whose outputs this one reads. Launched this way
+    these kernels also hide their own launch behind their producer's tail."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

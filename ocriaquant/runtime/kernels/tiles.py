@@ -5,10 +5,11 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
 - BF16 (fp32 CUDA-core kernel, gemv_m1.py): wide K (≥ 4096: out_proj, o_proj, down_proj;
   N = 2560) has few output tiles, so narrow ones (8 rows) with long K steps keep more CTAs
   streaming; K = 2560 (input projections, lm_head) takes 16-row tiles, 512-wide K steps.
-- FP8 and NVFP4 (paired-fp16 kernels, half2.py; session 5's sweep, with the next-tile
-  prefetch): 16–32-row tiles at K = 2560, 64 rows for NVFP4's lm_head (its activation work
-  is shared by more rows); down_proj (K = 9216) splits K 8 ways for FP8, and o_proj /
-  out_proj (K = 4096) 8 ways for NVFP4.
+- FP8 and NVFP4 (paired-fp16 kernels, half2.py, activations ready from the producer; session
+  6's sweep): the lm_head takes 64-row tiles, 256-wide K steps; the 2560-wide K input
+  projections 32 rows × 512 (gate+up) or, for the narrower GDN / q-k-v projections (N ≤ 12288),
+  wide tiles of 8 warps (FP8 256 × 128, NVFP4 64 × 512); down_proj (K ≥ 8192) 64 × 512 on 8
+  warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8, NVFP4 16 × 512 split 4.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
     """Keyword arguments for gemv_bf16 / gemv_fp8 / gemv_nvfp4 at M = 1."""
     wide_k = k >= 4096 and k % 1024 == 0
     head = n >= 65536  # the lm_head: many CTAs already, no split
-    if kind == "fp8":  # the paired-fp16 kernel (half2.py)
+    if kind in ("fp8", "nvfp4"):  # the paired-fp16 kernels (half2.py)
+        fp8 = kind == "fp8"
+        if head:
+            return dict(block_n=64, block_k=256)
+        if wide_k and k >= 8192:
+            return dict(block_n=64, block_k=512, split_k=8, num_warps=8)
         if wide_k:
-            return dict(block_n=8, block_k=1024) if k < 8192 else dict(block_n=32, block_k=512, split_k=8)
-        return dict(block_n=32, block_k=256) if head else dict(block_n=16, block_k=512)
-    if kind == "nvfp4":
-        if wide_k:
-            return dict(block_n=32, block_k=256, split_k=8) if k < 8192 else dict(block_n=64, block_k=256)
-        return dict(block_n=64 if head else 32, block_k=256)
+            return dict(block_n=64, block_k=256, split_k=8) if fp8 else dict(block_n=16, block_k=512, split_k=4)
+        if n <= 12288 and k % 512 == 0:
+            return dict(block_n=256, block_k=128, num_warps=8) if fp8 else dict(block_n=64, block_k=512, num_warps=8)
+        return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
     if wide_k:
         return dict(block_n=8, block_k=1024)
     return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)

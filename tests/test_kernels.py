@@ -83,8 +83,9 @@ def test_gemv_nvfp4(m, n, k, split):
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 3e4])
 def test_gemv_nvfp4_m1_activation_range(scale):
-    """The M = 1 path rescales x to fp16 per CTA (half2.py): tiny, huge and wide-ranging
-    activations neither overflow nor lose the result; all-zero activations give zeros."""
+    """The M = 1 path scales each 16-value block of x into fp16 by a power of two (half2.py):
+    tiny, huge and wide-ranging activations neither overflow nor lose the result; all-zero
+    activations give zeros."""
     from ocriaquant.quant import nvfp4
     from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
 

@@ -186,7 +186,7 @@ class RuntimeModel(nn.Module):
         cos, sin = self._rope((lengths + deltas)[None].expand(3, -1))
         step = Step(slots, lengths, cos, sin, slots.to(torch.int32), lengths.to(torch.int32), span)
         x = self.embed(tokens)
-        if self.backend == "triton":  # each residual add fused with the norm (and FP8 quantization) after it
+        if self.backend == "triton":  # each residual add fused with the norm after it (and the form the next GEMVs read)
             from .kernels import add_rmsnorm
 
             h = None

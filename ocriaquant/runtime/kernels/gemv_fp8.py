@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
-from .half2 import fp8_pairs, fp8_quad_dot
+from .half2 import fp8_pairs, fp8_quad_dot, load_pairs
 from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
 from .splitk import launch_plan, split_tile, start_after_producer, store_or_reduce, use_pdl, wait_for_inputs
 
@@ -57,13 +57,8 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ)
         kq = q0 + rq                                         # quad index along K
         qmask = kq < q_end
-        xq = xh_ptr + kq * 8
-        p0, p1, p2, p3 = (tl.load(xq, mask=qmask, other=0), tl.load(xq + 1, mask=qmask, other=0),
-                          tl.load(xq + 2, mask=qmask, other=0), tl.load(xq + 3, mask=qmask, other=0))
-        p4, p5, p6, p7 = (tl.load(xq + 4, mask=qmask, other=0), tl.load(xq + 5, mask=qmask, other=0),
-                          tl.load(xq + 6, mask=qmask, other=0), tl.load(xq + 7, mask=qmask, other=0))
-        acc += fp8_quad_dot(v0, v1, v2, v3, p0[None, :], p1[None, :], p2[None, :], p3[None, :], p4[None, :],
-                            p5[None, :], p6[None, :], p7[None, :], not INTERPRET)
+        p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, qmask)
+        acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .half2 import e2m1_times_2m14, nvfp4_block_dot, store_nvfp4_pairs
+from .half2 import e2m1_times_2m14, load_pairs, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
 
@@ -120,14 +120,9 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                                 INTERPRET)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
-        xb = xw_ptr + kb * 8
-        p0, p1, p2, p3 = (tl.load(xb, mask=bmask, other=0), tl.load(xb + 1, mask=bmask, other=0),
-                          tl.load(xb + 2, mask=bmask, other=0), tl.load(xb + 3, mask=bmask, other=0))
-        p4, p5, p6, p7 = (tl.load(xb + 4, mask=bmask, other=0), tl.load(xb + 5, mask=bmask, other=0),
-                          tl.load(xb + 6, mask=bmask, other=0), tl.load(xb + 7, mask=bmask, other=0))
+        p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
         xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
-        part = nvfp4_block_dot(v0, v1, p0[None, :], p1[None, :], p2[None, :], p3[None, :], p4[None, :],
-                               p5[None, :], p6[None, :], p7[None, :], PTX)
+        part = nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX)
         if INTERPRET:
             acc += part * (e4m3_value(s) * xs[None, :])
         else:

@@ -87,6 +87,16 @@ def store_nvfp4_pairs(x, xw_ptr, xs_ptr, k0, K):
 
 
 @triton.jit
+def load_pairs(p, mask):
+    """The eight activation words at p + 0 … 7 (p: one pointer per K-block column of a GEMV tile),
+    each as a [1, columns] row that broadcasts against the tile's weight words."""
+    return (tl.load(p, mask=mask, other=0)[None, :], tl.load(p + 1, mask=mask, other=0)[None, :],
+            tl.load(p + 2, mask=mask, other=0)[None, :], tl.load(p + 3, mask=mask, other=0)[None, :],
+            tl.load(p + 4, mask=mask, other=0)[None, :], tl.load(p + 5, mask=mask, other=0)[None, :],
+            tl.load(p + 6, mask=mask, other=0)[None, :], tl.load(p + 7, mask=mask, other=0)[None, :])
+
+
+@triton.jit
 def e2m1_times_2m14(nib):
     """Integer nibbles -> fp16 values E2M1(nib) × 2^-14: the three magnitude bits placed at bit 9
     of an fp16 (exponent field = E2M1 exponent, top mantissa bit = E2M1 mantissa) are the E2M1

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
-from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs
+from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
 from ocriaquant.runtime.kernels.splitk import geometry
 from ocriaquant.runtime.kernels.tiles import m1_tile
 from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
@@ -86,7 +86,9 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
         nc = copies_for(n * k * 2)
         W = [w] + [w.clone() for _ in range(nc - 1)]
         WQ = [(w_q, w_s)] + [(w_q.clone(), w_s.clone()) for _ in range(nc - 1)]
-        WP = [(packed, scales)] + [(packed.clone(), scales.clone()) for _ in range(nc - 1)]
+        # with the batch-1 kernel's words (pack_m1), made once as the runtime does at load
+        WP = [(packed, scales, pack_m1(packed, scales))]
+        WP += [(packed.clone(), scales.clone(), tuple(t.clone() for t in WP[0][2])) for _ in range(nc - 1)]
         del w
         best_cfg = {}
         for m in ms:
@@ -96,6 +98,7 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
             # timed that way, made here once.
             fp8_kw = dict(x_half=quant_fp8_per_token(x, half=True)[2]) if m == 1 else {}
             nv_kw = dict(x_pairs=nvfp4_x_pairs(x)) if m == 1 else {}
+            m1_kw = (lambda i: dict(m1=WP[i][2])) if m == 1 else (lambda i: {})
             # Correctness, fresh inputs, poisoned outputs.
             for fmt in ("bf16", "fp8", "nvfp4"):
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -106,7 +109,7 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                     gemv_fp8(x_q, x_s, w_q, w_s, out=out, **fp8_kw)
                     err = rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s))
                 else:
-                    gemv_nvfp4(x, packed, scales, gs, out=out, **nv_kw)
+                    gemv_nvfp4(x, packed, scales, gs, out=out, **nv_kw, **m1_kw(0))
                     err = rel(out, gemv_nvfp4_ref(x, packed, scales, gs))
                 ok = bool(torch.isfinite(out).all()) and err <= 1e-2
                 if not ok:
@@ -131,7 +134,8 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                     for sk in (None, "x2")]
             for fmt, fn in (("bf16", lambda i, c: gemv_bf16(x, W[i], out=outs[i], **c)),
                             ("fp8", lambda i, c: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i], **c, **fp8_kw)),
-                            ("nvfp4", lambda i, c: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], **c, **nv_kw))):
+                            ("nvfp4", lambda i, c: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], **c, **nv_kw,
+                                                              **m1_kw(i)))):
                 key = (fmt, n, k, m == 1)  # the M = 1 and tensor-core paths tune apart
                 cands = cfgs if key not in best_cfg else [best_cfg[key]]
                 res = []
@@ -156,7 +160,7 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                 for fmt, fn in (("bf16", lambda i, c: gemv_bf16(x, W[i], out=outs[i], **c)),
                                 ("fp8", lambda i, c: gemv_fp8(x_q, x_s, WQ[i][0], WQ[i][1], out=outs[i], **c, **fp8_kw)),
                                 ("nvfp4", lambda i, c: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], **c,
-                                                                  **nv_kw))):
+                                                                  **nv_kw, **m1_kw(i)))):
                     c = best_cfg[(fmt, n, k, True)]
                     if c.get("split_k") == "x2":
                         c = {**c, "split_k": 2 * geometry(n, k, c["block_n"], c["block_k"], x.device)[1]}
@@ -220,6 +224,37 @@ def bench_silu(bw: float, log) -> list:
         log(f"silu_mul_quant M={m}: ours {ours:.1f}us, unfused torch {ref:.1f}us -> {ref / ours:.2f}x "
             f"({rows[-1]['%bw']}% bw, codes equal {codes:.4%})")
     return rows
+
+
+def bench_gate_up_silu(bw: float, log) -> dict:
+    """Batch 1, NVFP4 MLP input side on the 4B shape (gate_up 18432 x 2560): gemv_nvfp4 then
+    silu_mul_quant (bf16 + pairs), against gemv_nvfp4_silu (one launch), both with PDL in a
+    graph; checked equal bit for bit."""
+    i, k = 9216, 2560
+    w = torch.randn(2 * i, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    xp = nvfp4_x_pairs(x)
+    plain, inter = pack_m1(packed, scales), pack_m1(packed, scales, interleave=True)
+    tile = m1_tile("nvfp4_silu", 2 * i, k)
+
+    def two():
+        gu = gemv_nvfp4(x, packed, scales, gs, x_pairs=xp, m1=plain, split_k=1, **tile)
+        return silu_mul_quant(gu[:, :i], gu[:, i:], "bf16", pairs=True)[1]
+
+    def one():
+        return gemv_nvfp4_silu(xp, inter, gs, **tile)
+
+    (aw, as_), (bw_, bs) = two(), one()
+    if not (torch.equal(aw, bw_) and torch.equal(as_, bs)):
+        raise SystemExit("gemv_nvfp4_silu differs from gemv_nvfp4 + silu_mul_quant")
+    t2, t1 = graph_time_us([two] * 8), graph_time_us([one] * 8)
+    nbytes = 2 * i * k // 2 + 2 * i * k // 16
+    row = {"n": 2 * i, "k": k, "two_launch_us": round(t2, 2), "fused_us": round(t1, 2), "speedup": round(t2 / t1, 2),
+           "fused %bw": round(100 * nbytes / (t1 * 1e-6) / bw, 1), "tile": tile}
+    log(f"gate_up + silu (NVFP4, M=1): two launches {t2:.1f}us, fused {t1:.1f}us -> {t2 / t1:.2f}x "
+        f"({row['fused %bw']}% bw)")
+    return row
 
 
 def transformers_glue_step(qkv, z, a, b, conv_state, conv_w, A_log, dt_bias, norm, state_kv, H, K, V):
@@ -337,6 +372,7 @@ def main() -> None:
     result["triton"] = triton.__version__
     if "silu" in only:
         result["silu_mul_quant"] = bench_silu(bw, log)
+        result["gate_up_silu_m1"] = bench_gate_up_silu(bw, log)
     if "gdn" in only:
         result["gdn_decode"] = bench_gdn(bw, log)
     if "gemv" in only:

@@ -81,6 +81,45 @@ def test_gemv_nvfp4(m, n, k, split):
     assert torch.equal(col0, cols)
 
 
+def nvfp4_pairs_values(words, scales):
+    """NVFP4 activation pairs (half2.nvfp4_pairs: x · 2^(14 - e) in fp16, scales 2^e) back to
+    values, in K order."""
+    m = words.shape[0]
+    h = words.contiguous().view(torch.float16).float().reshape(m, -1, 16)
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15], device=words.device)
+    vals = torch.empty_like(h)
+    vals[..., order] = h
+    return (vals * scales[..., None] * 2.0**-14).reshape(m, -1)
+
+
+@pytest.mark.parametrize("i,k,block_k", [(48, 512, 256), (80, 256, 128)])
+def test_gemv_nvfp4_silu_pairs(i, k, block_k):
+    """Batch 1: the fused gate_up GEMV whose epilogue writes silu(gate) · up as down_proj's
+    activation pairs (pack_m1 interleaves the rows) equals the two-launch path — gemv_nvfp4,
+    then silu_mul_quant — bit for bit, and the float64 reference to bf16 rounding."""
+    import torch.nn.functional as F
+
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref, silu_mul_quant
+    from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
+
+    torch.manual_seed(i + k)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(2 * i, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    xp = nvfp4_x_pairs(x)
+    hw, hs = gemv_nvfp4_silu(xp, pack_m1(packed, scales, interleave=True), gs, block_n=32, block_k=block_k)
+    gu = gemv_nvfp4(x, packed, scales, gs, x_pairs=xp, split_k=1, block_n=32, block_k=block_k)
+    _, (pw, ps) = silu_mul_quant(gu[:, :i].contiguous(), gu[:, i:].contiguous(), "bf16", pairs=True)
+    assert torch.equal(hw, pw) and torch.equal(hs, ps)
+    g, u = gemv_nvfp4_ref(x, packed, scales, gs).split(i, -1)
+    assert rel(nvfp4_pairs_values(hw, hs), F.silu(g) * u) <= 1e-2
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemv_nvfp4_silu(xp, pack_m1(packed, scales, interleave=True), gs, block_n=16)
+    with pytest.raises(ValueError, match="I a multiple of 16"):
+        pack_m1(packed[:40], scales[:40], interleave=True)
+
+
 @pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 3e4])
 def test_gemv_nvfp4_m1_activation_range(scale):
     """The M = 1 path scales each 16-value block of x into fp16 by a power of two (half2.py):
@@ -188,6 +227,18 @@ def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     for s in (1, 3, 5):  # slots no row points at are untouched
         assert torch.equal(inp["state"][s], st0[s]) and torch.equal(inp["conv_state"][s], cs0[s])
+    # quant="fp8": the output also quantized per token in the same launch (an FP8 out_proj's
+    # input), exactly quant_fp8_per_token's codes, scales and fp16 pairs of the bf16 output
+    from ocriaquant.runtime.kernels import quant_fp8_per_token
+
+    for half in (False, True):
+        inp2 = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
+        o, got = gdn_decode(**inp2, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, v_blocks=vb,
+                            quant="fp8", half=half)
+        want = quant_fp8_per_token(o, half=half)
+        assert len(got) == len(want) and all(torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                                                         w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
+                                              for g, w in zip(got, want))
 
 
 def test_gdn_decode_two_steps_equal_transformers_recurrence():

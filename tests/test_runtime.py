@@ -141,9 +141,9 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
     from ocriaquant.export import export
     from ocriaquant.runtime.model_runner import RuntimeModel
 
-    plan = {"layers.0.gdn_in": "nvfp4", "layers.0.mlp_up": "nvfp4", "layers.0.mlp_down": "fp8",
+    plan = {"layers.0.gdn_in": "nvfp4", "layers.0.gdn_out": "fp8", "layers.0.mlp_up": "nvfp4", "layers.0.mlp_down": "fp8",
             "layers.1.gdn_in": "fp8", "layers.1.gdn_out": "nvfp4", "layers.3.attn_qkv": "fp8",
-            "layers.3.mlp_down": "nvfp4"}
+            "layers.3.mlp_down": "nvfp4", "layers.2.mlp_up": "nvfp4", "layers.2.mlp_down": "nvfp4"}
     (tmp_path / "plan.json").write_text(json.dumps({"target": "h200", "groups": plan, "model_dir": str(tiny_model_dir),
                                                     "calibration": {"fingerprint": model_fingerprint(tiny_model_dir)}}))
     ckpt = export(tmp_path / "plan.json", tmp_path / "ckpt", pages=synth_pages, max_pages=1, verify_pages=0)
@@ -167,6 +167,8 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
         one = rt.decode(prompts[0][0, -1:], torch.tensor([1]), torch.tensor([9]), torch.tensor([0]))
         runs[backend] = (torch.stack(out), rt.state[0]["ssm"][[0, 2]].clone(), one.float())
         assert untouched
+        # layer 2's NVFP4 gate_up ran at batch 1 with silu·mul in its epilogue (gemv_nvfp4_silu)
+        assert (backend == "triton") == bool(rt.layers[2].mlp.gate_up and rt.layers[2].mlp.gate_up.linear.m1_interleaved)
     (lt, st, ot), (lk, sk, ok) = runs["torch"], runs["triton"]
     assert float((ok - ot).norm() / ot.norm()) <= 2e-2
     assert not torch.equal(lk, lt) and not torch.equal(sk, st)  # the kernels ran (fp32 GDN, other sum order)

@@ -69,6 +69,19 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", w)
         self.out_features, self.in_features = w.shape
         self._m1_tile: dict | None = None  # the GEMV tile at batch 1 (kernels/tiles.py), on first use
+        self.register_buffer("w_m1", None)  # NVFP4: the batch-1 kernel's weight words (pack_m1)
+        self.register_buffer("w_m1_scale", None)
+        self.m1_interleaved = False
+
+    def pack_m1(self, interleave: bool = False) -> None:
+        """NVFP4: write the weight once more in the batch-1 kernel's bit order (gemv_nvfp4.pack_m1),
+        on the weight's device; interleave: a fused gate_up whose batch-1 output is silu(gate) · up
+        (MLP.forward). Called by RuntimeModel for the triton backend, before any CUDA graph."""
+        from .kernels.gemv_nvfp4 import pack_m1
+
+        words, scales = pack_m1(self.w_packed, self.w_scale, interleave)
+        self.w_m1, self.w_m1_scale = words, scales
+        self.m1_interleaved = interleave
 
     triton = False  # set by RuntimeModel(backend="triton")
 
@@ -112,7 +125,32 @@ class QuantLinear(nn.Module):
         if self.kind == "bf16":
             return gemv_bf16(x.contiguous(), self.weight, **tile)
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale,
-                          x_pairs=x_q if form == torch.int32 else None, **tile)
+                          x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), **tile)
+
+    def _m1(self) -> tuple | None:
+        if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls
+            raise RuntimeError("this gate_up's batch-1 weight is interleaved for the fused SiLU; use MLP")
+        return None if self.w_m1 is None else (self.w_m1, self.w_m1_scale)
+
+    def forward_silu_pairs(self, x_pairs: tuple) -> tuple:
+        """Batch 1, NVFP4 gate_up packed with interleave: silu(gate) · up as down_proj's activation
+        pairs, from this GEMV's epilogue (gemv_nvfp4_silu)."""
+        from .kernels.gemv_nvfp4 import gemv_nvfp4_silu
+        from .kernels.tiles import m1_tile
+
+        if self._m1_tile is None:
+            self._m1_tile = m1_tile("nvfp4_silu", self.out_features, self.in_features)
+        return gemv_nvfp4_silu(x_pairs, (self.w_m1, self.w_m1_scale), self.w_global_scale, **self._m1_tile)
+
+    def forward_pairs(self, x_pairs: tuple) -> torch.Tensor:
+        """Batch 1, NVFP4 (W4A16): y [1, N] from activations that arrive as pairs only."""
+        from .kernels import gemv_nvfp4
+        from .kernels.tiles import m1_tile
+
+        if self._m1_tile is None:
+            self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
+        return gemv_nvfp4(None, self.w_packed, self.w_scale, self.w_global_scale, x_pairs=x_pairs, m1=self._m1(),
+                          **self._m1_tile)
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":
@@ -192,11 +230,24 @@ class MLP(nn.Module):
         if self.gate_up is not None:  # the parts' weights now live in the fused one only
             del self.gate_proj, self.up_proj
 
+    def fused_silu(self) -> bool:
+        """Whether batch 1 runs gate_up, silu·mul and the NVFP4 activation pairs in one launch
+        (gemv_nvfp4_silu): W4A16 gate_up fused and a W4A16 down_proj."""
+        return self.gate_up is not None and self.gate_up.linear.kind == "nvfp4" and self.down_proj.kind == "nvfp4"
+
     def input_linears(self) -> list:
         return [self.gate_up.linear] if self.gate_up is not None else [self.gate_proj, self.up_proj]
 
     def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
         down = self.down_proj
+        if self.gate_up is not None and self.gate_up.linear.m1_interleaved and x.numel() == x.shape[-1] and \
+                down.uses_kernels(x):  # batch 1: gate_up, silu·mul and down_proj's pairs in one launch
+            if x_q is None or x_q[0].dtype != torch.int32:
+                from .kernels.gemv_nvfp4 import nvfp4_x_pairs
+
+                x_q = nvfp4_x_pairs(x.reshape(1, -1).contiguous())
+            y = down.forward_pairs(self.gate_up.linear.forward_silu_pairs(x_q))
+            return y.reshape(*x.shape[:-1], -1)
         gate, up = self.gate_up(x, x_q) if self.gate_up is not None else (self.gate_proj(x, x_q), self.up_proj(x, x_q))
         if down.uses_kernels(x):
             from .kernels import silu_mul_quant
@@ -327,10 +378,15 @@ class GatedDeltaNet(nn.Module):
         if self.triton:
             from .kernels import gdn_decode
 
+            # Above batch 1 an FP8 out_proj's input is quantized by gdn_decode itself: one launch of
+            # B programs fewer (batch 64: 7.43 -> 6.58 ms a step on an H200). At batch 1 the row's
+            # quantization in one program at the end of gdn_decode cost more than the separate
+            # PDL-launched kernel (2.29 -> 2.38 ms, BENCHMARKS.md, session 7).
+            fp8_out = self.out_proj.kind == "fp8" and self.out_proj.uses_kernels(x) and x.shape[0] > 1
             o = gdn_decode(p["in_proj_qkv"], p["in_proj_z"], p["in_proj_a"], p["in_proj_b"], state["conv"],
                            self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, state["ssm"], step.slots32,
-                           self.H, self.K, self.V, self.eps)
-            return self.out_proj(o)
+                           self.H, self.K, self.V, self.eps, quant="fp8" if fp8_out else None)
+            return self.out_proj(*o) if fp8_out else self.out_proj(o)
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         slots = step.slots

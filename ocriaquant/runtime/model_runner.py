@@ -125,6 +125,8 @@ class RuntimeModel(nn.Module):
         self.backend = backend
         self.to(device)
         self.device = torch.device(device)
+        if backend == "triton":  # NVFP4 weights in the batch-1 kernel's bit order, made on the device
+            self._pack_m1()
         self.sentinel = max_slots
         self.state = [layer.mixer.alloc_state(max_slots + 1, max_len, self.device, dtype)
                       if isinstance(layer.mixer, Attention) else layer.mixer.alloc_state(max_slots + 1, self.device, dtype)
@@ -174,6 +176,16 @@ class RuntimeModel(nn.Module):
         return self.lm_head(self.norm(x[-1:]))[0], delta
 
     @torch.no_grad()
+    def _pack_m1(self) -> None:
+        from .layers import QuantLinear
+
+        for layer in self.layers:
+            if isinstance(layer.mlp, MLP) and layer.mlp.fused_silu():
+                layer.mlp.gate_up.linear.pack_m1(interleave=True)
+        for m in self.modules():
+            if isinstance(m, QuantLinear) and m.kind.startswith("nvfp4") and m.w_m1 is None:
+                m.pack_m1()
+
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                deltas: torch.Tensor) -> torch.Tensor:
         """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all

@@ -23,6 +23,10 @@ V-blocks)
   then; the v channels of a block belong to that program alone and shift at once.
 A row whose slot index is negative is a padding row (CUDA-graph buckets): it touches no state
 and writes zeros.
+
+With `quant="fp8"` (an FP8 out_proj) the row's output is also quantized per token, as
+quant_fp8_per_token does, which needs the whole row: the key heads' last programs take a second
+ticket per row, and the last of those quantizes the row — one launch a GDN layer fewer.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .gemv_fp8 import quant_fp8_row
 from .splitk import sm_count, use_pdl, wait_for_inputs, workspace
 
 
@@ -75,10 +80,12 @@ def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: t
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, s_ptr, slot_ptr,
-                       out_ptr, ws_ptr, tick_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c,
+                       out_ptr, ws_ptr, tick_ptr, q8_ptr, qs_ptr, qh_ptr, tick2_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c,
                        s_stride_slot, stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       NVB: tl.constexpr, BVF: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr):
+                       NVB: tl.constexpr, BVF: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr,
+                       QUANT: tl.constexpr, QB: tl.constexpr):
+    """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh)."""
     bi = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -146,6 +153,14 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
             of = tl.where(valid_f, of, 0.0)
             tl.store(out_ptr + bi * stride_out + hv_i * V + rf, of.to(out_ptr.dtype.element_ty), mask=f_ok)
         tl.atomic_xchg(tick_ptr + bi * H + h, 0)
+        if QUANT > 0:  # the row's last key head quantizes the whole row (second ticket, as above)
+            tl.debug_barrier()
+            row_ticket = tl.atomic_add(tick2_ptr + bi, 1, sem="acq_rel")
+            tl.debug_barrier()
+            if row_ticket == H - 1:
+                quant_fp8_row(out_ptr + bi * stride_out, q8_ptr + bi * HV * V, qs_ptr + bi, qh_ptr + bi * HV * V,
+                              HV * V, QB, QUANT == 2)
+                tl.atomic_xchg(tick2_ptr + bi, 0)
 
 
 def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
@@ -158,12 +173,14 @@ def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
 
 def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
                num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, out=None, num_warps: int | None = None,
-               v_blocks: int | None = None):
+               v_blocks: int | None = None, quant: str | None = None, half: bool = False):
     """qkv [B, 2·H·K + HV·V] (in_proj_qkv output), z [B, HV·V], a, b [B, HV]; conv_state
     [slots, C, KW-1], conv_weight [C, KW]; A_log, dt_bias [HV]; norm_weight [V]; state fp32
     [slots, HV, V, K]; slots int32 [B] (negative: padding row). Updates conv_state and state
     in place; returns the gated-normed output [B, HV·V] (bf16 unless `out` says otherwise).
-    v_blocks: V-blocks per value head (a power of two; default from the batch and SM count)."""
+    v_blocks: V-blocks per value head (a power of two; default from the batch and SM count).
+    quant="fp8": returns (out, (E4M3 [B, HV·V], fp32 scale [B, 1][, with half the codes' fp16
+    pairs])) — quant_fp8_per_token(out, half) without its launch, what an FP8 out_proj reads."""
     bsz = qkv.shape[0]
     hv = A_log.shape[0]
     H, K, V = num_k_heads, head_k_dim, head_v_dim
@@ -186,14 +203,25 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     # (B = 32 / 64 1.4x slower, B = 8 steps 6 % slower on an H200, session 6).
     early = bv * triton.next_power_of_2(K) <= 32 * 128
     pdl = early and use_pdl(qkv.device, None)
+    if quant not in (None, "fp8"):
+        raise ValueError(f"gdn_decode: quant must be None or 'fp8', got {quant!r}")
+    q8 = qs = qh = out
+    if quant == "fp8":
+        q8 = torch.empty(bsz, hv * V, dtype=torch.float8_e4m3fn, device=qkv.device)
+        qs = torch.empty(bsz, 1, dtype=torch.float32, device=qkv.device)
+        qh = torch.empty(bsz, hv * V, dtype=torch.float16, device=qkv.device) if half else qs
+    _, tick2 = workspace(qkv.device, (1,), bsz, owner="gdn_quant")
     _gdn_decode_kernel[(bsz, hv, triton.cdiv(V, bv))](
         qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
+        q8.view(torch.uint8) if quant else q8, qs, qh, tick2,
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
-        EARLY_S=early,
+        EARLY_S=early, QUANT=0 if quant is None else (2 if half else 1), QB=min(4096, triton.next_power_of_2(hv * V)),
         num_warps=num_warps or (4 if bv <= 32 else 8), PDL=pdl, launch_pdl=pdl)
-    return out
+    if quant is None:
+        return out
+    return out, ((q8, qs, qh) if half else (q8, qs))
 
 
 def gdn_decode_ref(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,

@@ -108,23 +108,31 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
 
 @triton.jit
+def quant_fp8_row(x_ptr, q_ptr, s_ptr, h_ptr, K, BK: tl.constexpr, HALF: tl.constexpr):
+    """One row of K activations at x_ptr -> E4M3 codes at q_ptr, the scale at s_ptr and, with
+    HALF, the codes' fp16 pairs at h_ptr. The row is read from L2 (.cg): gdn_decode calls this
+    on a row other programs of its grid wrote."""
+    rk = tl.arange(0, BK)
+    amax = tl.zeros((BK,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = fp8_token_scale(tl.max(amax, 0))
+    for k0 in range(0, K, BK):
+        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        codes = fp8_token_codes(x, scale)
+        tl.store(q_ptr + k0 + rk, codes.to(tl.uint8), mask=k0 + rk < K)
+        if HALF:
+            tl.store(h_ptr + k0 + rk, fp8_pairs(codes), mask=k0 + rk < K)
+    tl.store(s_ptr, scale)
+
+
+@triton.jit
 def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, BK: tl.constexpr, HALF: tl.constexpr,
                       PDL: tl.constexpr):
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
-    rk = tl.arange(0, BK)
-    amax = tl.zeros((BK,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_token_scale(tl.max(amax, 0))
-    for k0 in range(0, K, BK):
-        x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        codes = fp8_token_codes(x, scale)
-        tl.store(q_ptr + row * K + k0 + rk, codes.to(tl.uint8), mask=k0 + rk < K)
-        if HALF:
-            tl.store(h_ptr + row * K + k0 + rk, fp8_pairs(codes), mask=k0 + rk < K)
-    tl.store(s_ptr + row, scale)
+    quant_fp8_row(x_ptr + row * stride_xm, q_ptr + row * K, s_ptr + row, h_ptr + row * K, K, BK, HALF)
 
 
 def quant_fp8_per_token(x: torch.Tensor, half: bool = False) -> tuple[torch.Tensor, ...]:

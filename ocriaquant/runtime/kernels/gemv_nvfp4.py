@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .half2 import e2m1_times_2m14, load_pairs, nvfp4_block_dot, store_nvfp4_pairs
+from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
+from .silu_mul_quant import silu_mul_values
 from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
 
 
@@ -93,16 +94,22 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 
 
 @triton.jit
-def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
-                          stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
-                          INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
+                          K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
+                          SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
+                          SILU: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
     time into fp16 pairs and multiplied with the activations by fma.rn.f16x2 (half2.py), the
     block scales (the weight's and the activations' 2^e) multiply the block's sum in fp32, the
     global scale the row's total. The activations arrive as fp16 pairs (half2.nvfp4_pairs:
-    xw int32 [K/2], xs fp32 [K/16]).
+    xw int32 [K/2], xs fp32 [K/16]); the weights as pack_m1 wrote them (M1_LAYOUT words).
+
+    SILU: the weight is a gate_up pair interleaved by pack_m1 (16 gate rows, then the same 16
+    up rows), so a tile's rows give silu(gate) · up for whole 16-value blocks: the epilogue
+    writes that product as down_proj's activation pairs (hw, hs) instead of y, and the
+    separate silu_mul_quant launch between the two GEMVs goes away.
 
     Latency, not arithmetic, bounds the 4B's layer shapes (a CTA streams a few tiles only), so
     the next tile's loads are issued before this one is computed, and the first tile's before
@@ -130,9 +137,15 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         v0, v1, s = n0, n1, ns
     # w = E2M1 · s / global; the sums hold E2M1 · 2^-14 · x · 2^(14 - e), times 2^e above.
     y = tl.sum(acc, 1) / tl.load(gs_ptr)
-    if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
-        y = round_bf16(y)
-    store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+    if SILU:  # SPLIT_K == 1, BN a multiple of 32 (gemv_nvfp4_silu): rows [16 gate, 16 up] per block
+        gu = tl.permute(tl.reshape(round_bf16(y), (BN // 32, 2, 16)), (0, 2, 1))  # gate, up as bf16 stores them
+        g, u = tl.split(gu)
+        h = tl.reshape(silu_mul_values(g, u), (BN // 2,))
+        store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
+    else:
+        if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
+            y = round_bf16(y)
+        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
 
 
 @triton.jit
@@ -176,44 +189,112 @@ def nvfp4_x_pairs_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words, pow2(e).float()
 
 
-def gemv_nvfp4(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
+def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's NVFP4 weight (uint8 [N, K/2], even k in the low nibble; E4M3 scales
+    [N, K/16]) -> (int32 words [N, K/8] in half2.M1_LAYOUT, the scales) for the batch-1 kernel:
+    the same 4-bit codes, their bits placed so that each activation pair decodes in ~3 integer
+    ops (done once, at load). interleave: N = 2·I rows of a fused gate_up, reordered to 16 gate
+    rows then the same 16 up rows (gemv_nvfp4_silu's epilogue); the scales follow the rows."""
+    n, kh = w_packed.shape
+    k = 2 * kh
+    if k % 16 or w_scale.shape != (n, k // 16):
+        raise ValueError(f"pack_m1: weight {tuple(w_packed.shape)} and scales {tuple(w_scale.shape)} "
+                         "are not an NVFP4 pair with K a multiple of 16")
+    if interleave:
+        if n % 32:
+            raise ValueError(f"pack_m1: interleaving gate_up needs 2·I rows with I a multiple of 16, got {n}")
+        i = n // 2
+        g = torch.arange(i, device=w_packed.device).reshape(-1, 16)
+        perm = torch.stack([g, g + i], 1).reshape(-1)   # [16 gate, 16 up] per block of outputs
+        w_packed, w_scale = w_packed[perm], w_scale[perm]
+    b = w_packed.to(torch.int64)
+    nib = torch.stack([b & 15, b >> 4], -1).reshape(n, k // 16, 2, 2, 4)  # [row, block, word, half, pair]
+    mag, sign = nib & 7, nib >> 3
+    half = torch.arange(2, device=b.device).reshape(1, 1, 1, 2, 1) * 16
+    words = torch.zeros(n, k // 16, 2, dtype=torch.int64, device=b.device)
+    for j, (m_sh, s_sh) in enumerate(M1_LAYOUT):  # bit t of the decoded pair comes from bit t - shift
+        mj, sj = mag[..., j], sign[..., j]
+        h = half[..., 0]
+        for bit in range(3):
+            words |= (((mj >> bit) & 1) << (9 + bit - m_sh + h)).sum(-1)
+        words |= ((sj & 1) << (15 - s_sh + h)).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.to(torch.int32).reshape(n, k // 8).contiguous(), w_scale.contiguous()
+
+
+def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx, pdl,
+               device, out=None, silu_out=None):
+    words, scales = m1
+    if words.shape != (n, k // 8) or scales.shape != (n, k // 16):
+        raise ValueError(f"gemv_nvfp4: batch-1 weight words {tuple(words.shape)} / scales {tuple(scales.shape)} "
+                         f"do not match N={n}, K={k} (pack_m1 makes them)")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, device, split_k,
+                                                out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16))
+    pdl = use_pdl(device, pdl)
+    hw, hs = silu_out if silu_out is not None else (out, out)
+    _gemv_nvfp4_m1_kernel[grid](xw, xs, words, scales.view(torch.uint8), scales, w_global_scale.reshape(1).float(),
+                                out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0), k_per, BN=block_n,
+                                NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
+                                INTERPRET=interp, PTX=ptx and not interp, PDL=pdl, SILU=silu_out is not None,
+                                launch_pdl=pdl)
+    return out
+
+
+def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
                out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                path: str = "auto", ptx: bool = True, pdl: bool | None = None,
-               x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+               m1: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
     ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops).
     x_pairs: x as nvfp4_x_pairs gives it, already written by the producer (M = 1 path only;
-    None: made here, one more launch)."""
-    m, k = x.shape
+    None: made here, one more launch; x may then be None). m1: the weight as pack_m1 gives it,
+    made once at load (M = 1 path; None: packed here, for tests and one-off calls)."""
     n = w_packed.shape[0]
+    m, k = (1, w_packed.shape[1] * 2) if x is None else x.shape
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
         raise ValueError(f"gemv_nvfp4: x has K={k} but the weight is packed {tuple(w_packed.shape)} "
                          f"with scales {tuple(w_scale.shape)}")
     if m > 64:
         raise ValueError(f"gemv_nvfp4 is for decode (M <= 64), got M={m}; dequantize and use a GEMM above that")
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    device = w_packed.device
     if path == "fma" or (path == "auto" and m == 1):
         if m != 1:
             raise ValueError(f"gemv_nvfp4: the fma path is for M = 1, got M={m}")
-        _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
-        pdl = use_pdl(x.device, pdl)
-        if w_packed.stride(0) % 4 or w_packed.stride(1) != 1 or w_packed.data_ptr() % 4:
-            w_packed = w_packed.clone(memory_format=torch.contiguous_format)  # read as aligned int32 words
         xw, xs = x_pairs if x_pairs is not None else nvfp4_x_pairs(x.contiguous())
-        _gemv_nvfp4_m1_kernel[grid](xw, xs, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_scale,
-                                    w_global_scale.reshape(1).float(), out, ws, tick, n, k, w_packed.stride(0) // 4,
-                                    w_scale.stride(0), k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1],
-                                    num_warps=num_warps, num_stages=num_stages, INTERPRET=interp,
-                                    PTX=ptx and not interp, PDL=pdl, launch_pdl=pdl)
-        return out
-    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
+        m1 = pack_m1(w_packed, w_scale) if m1 is None else m1
+        return _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx,
+                          pdl, device, out=out)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
-                                        out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
-                                        k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
-                                        num_stages=num_stages, INTERPRET=interp)
+                             out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
+                             k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
+                             num_stages=num_stages, INTERPRET=interp)
     return out
+
+
+def gemv_nvfp4_silu(x_pairs: tuple[torch.Tensor, torch.Tensor], m1: tuple[torch.Tensor, torch.Tensor],
+                    w_global_scale: torch.Tensor, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
+                    num_stages: int = 4, ptx: bool = True, pdl: bool | None = None, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch 1, a fused NVFP4 gate_up packed with pack_m1(..., interleave=True), its input as
+    activation pairs -> silu(gate) · up as down_proj's NVFP4 activation pairs (int32 [1, I/2],
+    fp32 [1, I/16]), in one launch: the GEMV, silu_mul_quant's bf16 rounding and
+    half2.nvfp4_pairs. block_n: a multiple of 32 (whole 16-value blocks per tile); no split-K."""
+    words, _ = m1
+    n, k = words.shape[0], words.shape[1] * 8
+    if block_n % 32:
+        raise ValueError(f"gemv_nvfp4_silu: block_n must be a multiple of 32, got {block_n}")
+    i = n // 2
+    hw = torch.empty(1, i // 2, dtype=torch.int32, device=words.device)
+    hs = torch.empty(1, i // 16, dtype=torch.float32, device=words.device)
+    xw, xs = x_pairs
+    _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, 1, num_warps, num_stages, ptx, pdl,
+               words.device, silu_out=(hw, hs))
+    return hw, hs
 
 
 def gemv_nvfp4_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,

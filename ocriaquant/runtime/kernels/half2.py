@@ -101,63 +101,76 @@ def e2m1_times_2m14(nib):
     """Integer nibbles -> fp16 values E2M1(nib) × 2^-14: the three magnitude bits placed at bit 9
     of an fp16 (exponent field = E2M1 exponent, top mantissa bit = E2M1 mantissa) are the E2M1
     value times 2^-14 — subnormal for 0 and ±0.5, exactly as E2M1 itself; the sign (bit 3) goes
-    to bit 15."""
+    to bit 15. (The tensor-core path's decode; the batch-1 path reads M1_LAYOUT words.)"""
     bits = ((nib & 7) << 9) | ((nib & 8) << 12)
     return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
-@triton.jit
-def _e2m1_pair(t):
-    """int32 words holding nibbles at bits 0-3 and 16-19 -> their two values × 2^-14, fp32."""
-    return e2m1_times_2m14(t & 15).to(tl.float32), e2m1_times_2m14((t >> 16) & 15).to(tl.float32)
+# The batch-1 NVFP4 weight words (gemv_nvfp4.pack_m1 writes them at load time). A block's 16
+# weights fill two 32-bit words; word w, pair j (0..3) holds weights (8w + j, 8w + j + 4), the
+# order of the activation pairs (nvfp4_pairs). Pair j decodes as
+#     ((word << MAG_j) & 0x0E000E00) | ((word << SIGN_j) & 0x80008000)
+# — magnitudes at fp16 bits 9-11 and 25-27, signs at 15 and 31: e2m1_times_2m14 on both halves.
+# In the checkpoint's nibble order that took 15 integer ops a word; no bit order lets one shift
+# serve all four pairs (their 4-bit patterns {9, 10, 11, 15} cannot tile 16 positions), and this
+# one, found by exhaustive search, needs 11: pair 0 a mask, pair 1 a shift and a mask, pairs 2-3
+# two shifts, two masks and an or each. Layout: (MAG_j, SIGN_j).
+M1_LAYOUT = ((0, 0), (3, 3), (6, 1), (9, 2))
 
 
-# One NVFP4 block (16 weights = two 32-bit words, $1 and $2; k = 0..7 from the low nibble of
-# $1) times its activations ($3..$10: per word, the fp16 pairs (x[i], x[i+4]) for i = 0..3).
-# Nibble pair (i, i+4) of a word sits at bits 4i and 4i+16: one shift puts its magnitudes at
-# bits 9-11 and 25-27, another its signs at 15 and 31 (e2m1_times_2m14's decode, on both halves
-# at once); ptxas folds each and/or pair into one LOP3. Out: the block's sum × 2^-14, fp32.
-_NVFP4_BLOCK_PTX = tl.constexpr("""{
-.reg .b32 a, b, p, acc;
-.reg .b16 l, h;
-.reg .f32 fl, fh;
-shr.b32 a, $1, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $1, 0x80008000; or.b32 p, a, b; mul.rn.f16x2 acc, p, $6;
-shl.b32 a, $1, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 4; and.b32 b, b, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $5, acc;
-shl.b32 a, $1, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 8; and.b32 b, b, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $4, acc;
-shl.b32 a, $1, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $1, 12; and.b32 b, b, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $3, acc;
-shr.b32 a, $2, 3; and.b32 a, a, 0x0E000E00; and.b32 b, $2, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $10, acc;
-shl.b32 a, $2, 1; and.b32 a, a, 0x0E000E00; shl.b32 b, $2, 4; and.b32 b, b, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $9, acc;
-shl.b32 a, $2, 5; and.b32 a, a, 0x0E000E00; shl.b32 b, $2, 8; and.b32 b, b, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $8, acc;
-shl.b32 a, $2, 9; and.b32 a, a, 0x0E000E00; shl.b32 b, $2, 12; and.b32 b, b, 0x80008000; or.b32 p, a, b; fma.rn.f16x2 acc, p, $7, acc;
-mov.b32 {l, h}, acc;
-cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; add.f32 $0, fl, fh;
-}""")
+def _m1_pair_ptx(word: str, j: int, x: str, first: bool) -> str:
+    mag, sign = M1_LAYOUT[j]
+    if mag == sign:
+        src = word if mag == 0 else "t"
+        code = ("" if mag == 0 else f"shl.b32 t, {word}, {mag}; ") + f"and.b32 p, {src}, 0x8E008E00; "
+    else:
+        s_src = word if sign == 0 else "u"
+        code = (f"shl.b32 t, {word}, {mag}; and.b32 t, t, 0x0E000E00; "
+                + ("" if sign == 0 else f"shl.b32 u, {word}, {sign}; ")
+                + f"and.b32 u, {s_src}, 0x80008000; or.b32 p, t, u; ")
+    return code + (f"mul.rn.f16x2 acc, p, {x};" if first else f"fma.rn.f16x2 acc, p, {x}, acc;")
+
+
+# One NVFP4 block in M1_LAYOUT ($1, $2: its words) times its activations ($3..$10: per word,
+# the fp16 pairs (x[i], x[i+4]) for i = 0..3). Out: the block's sum × 2^-14, fp32.
+_NVFP4_BLOCK_PTX = tl.constexpr("{\n.reg .b32 t, u, p, acc;\n.reg .b16 l, h;\n.reg .f32 fl, fh;\n"
+                                + "\n".join(_m1_pair_ptx(f"${1 + w}", j, f"${3 + 4 * w + j}", w == 0 and j == 0)
+                                            for w in range(2) for j in range(4))
+                                + "\nmov.b32 {l, h}, acc;\ncvt.f32.f16 fl, l; cvt.f32.f16 fh, h; add.f32 $0, fl, fh;\n}")
 
 
 @triton.jit
 def _nvfp4_block_ptx(v0, v1, x0, x1, x2, x3, x4, x5, x6, x7):
-    """Σ E2M1(w) · x × 2^-14 over one block per element: v0, v1 its two words, x0..x7 the packed
-    activation pairs (pack_f16x2; x0..x3 for v0, x4..x7 for v1). GPU only."""
+    """Σ E2M1(w) · x × 2^-14 over one block per element: v0, v1 its two words (M1_LAYOUT),
+    x0..x7 the packed activation pairs (x0..x3 for v0, x4..x7 for v1). GPU only."""
     return tl.inline_asm_elementwise(_NVFP4_BLOCK_PTX, "=r,r,r,r,r,r,r,r,r,r,r",
                                      [v0, v1, x0, x1, x2, x3, x4, x5, x6, x7], dtype=tl.float32,
                                      is_pure=True, pack=1)
 
 
 @triton.jit
-def _nvfp4_pair_ref(t, p):
-    """Nibbles 0 and 4 of word t times the activation pair p, in fp32."""
-    w_lo, w_hi = _e2m1_pair(t)
+def _m1_pair(v, MAG: tl.constexpr, SIGN: tl.constexpr):
+    """Pair (MAG, SIGN) of M1_LAYOUT words v -> the two weights × 2^-14, fp32 (Triton ops)."""
+    bits = ((v << MAG) & 0x0E000E00) | ((v << SIGN) & -2147450880)  # 0x80008000 as an int32
+    lo = (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((bits >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _nvfp4_pair_ref(v, p, MAG: tl.constexpr, SIGN: tl.constexpr):
+    """Pair (MAG, SIGN) of words v times the activation pair p, in fp32."""
+    w_lo, w_hi = _m1_pair(v, MAG, SIGN)
     x_lo, x_hi = unpack_f16x2(p)
     return w_lo * x_lo + w_hi * x_hi
 
 
 @triton.jit
 def _nvfp4_block_ref(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7):
-    """_nvfp4_block_ptx in fp32 Triton ops (any backend): word pair i holds (x[i], x[i+4]), the
-    activations of nibbles i and i+4."""
-    return (_nvfp4_pair_ref(v0, p0) + _nvfp4_pair_ref(v0 >> 4, p1) + _nvfp4_pair_ref(v0 >> 8, p2)
-            + _nvfp4_pair_ref(v0 >> 12, p3) + _nvfp4_pair_ref(v1, p4) + _nvfp4_pair_ref(v1 >> 4, p5)
-            + _nvfp4_pair_ref(v1 >> 8, p6) + _nvfp4_pair_ref(v1 >> 12, p7))
+    """_nvfp4_block_ptx in fp32 Triton ops (any backend); the shifts are M1_LAYOUT's."""
+    return (_nvfp4_pair_ref(v0, p0, 0, 0) + _nvfp4_pair_ref(v0, p1, 3, 3) + _nvfp4_pair_ref(v0, p2, 6, 1)
+            + _nvfp4_pair_ref(v0, p3, 9, 2) + _nvfp4_pair_ref(v1, p4, 0, 0) + _nvfp4_pair_ref(v1, p5, 3, 3)
+            + _nvfp4_pair_ref(v1, p6, 6, 1) + _nvfp4_pair_ref(v1, p7, 9, 2))
 
 
 # Four FP8 words (16 E4M3 weights, k = 0..15 from the low byte of $1) times their activations
@@ -206,9 +219,9 @@ def _fp8_quad_ref(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7):
 
 @triton.jit
 def nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX: tl.constexpr):
-    """Σ E2M1(w) · x × 2^-14 over one NVFP4 block per element of v0, v1 (its two words; k = 0..7
-    from the low nibble of v0, 8..15 of v1), p0..p7 the block's activation words (nvfp4_pairs;
-    broadcast against the words). PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
+    """Σ E2M1(w) · x × 2^-14 over one NVFP4 block per element of v0, v1 (its two words in
+    M1_LAYOUT), p0..p7 the block's activation words (nvfp4_pairs; broadcast against the words).
+    PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
     if PTX:
         return _nvfp4_block_ptx(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)
     return _nvfp4_block_ref(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)

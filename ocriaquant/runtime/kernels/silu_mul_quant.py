@@ -27,11 +27,18 @@ from .splitk import start_after_producer, use_pdl
 
 
 @triton.jit
+def silu_mul_values(g, u):
+    """silu(g) · u as torch computes it on BF16 tensors (F.silu rounded to bf16, the product
+    rounded to bf16); fp32 in and out. Also gemv_nvfp4's fused gate_up epilogue."""
+    s = round_bf16(g / (1.0 + tl.exp(-g)))
+    return round_bf16(s * u)
+
+
+@triton.jit
 def _silu_mul(g_ptr, u_ptr, offs, mask):
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = round_bf16(g / (1.0 + tl.exp(-g)))  # F.silu in bf16
-    return round_bf16(s * u)
+    return silu_mul_values(g, u)
 
 
 @triton.jit

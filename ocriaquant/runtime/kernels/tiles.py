@@ -10,13 +10,19 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   projections 32 rows × 512 (gate+up) or, for the narrower GDN / q-k-v projections (N ≤ 12288),
   wide tiles of 8 warps (FP8 256 × 128, NVFP4 64 × 512); down_proj (K ≥ 8192) 64 × 512 on 8
   warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8, NVFP4 16 × 512 split 4.
+  Session 7's sweep with the M1_LAYOUT decoder preferred other NVFP4 tiles in isolation (down_proj
+  32 × 512 split 8, out_proj 8 × 1024); inside the decode step they were 15–25 µs slower at
+  batch 1 on the same machine (BENCHMARKS.md), so these stay.
 """
 
 from __future__ import annotations
 
 
 def m1_tile(kind: str, n: int, k: int) -> dict:
-    """Keyword arguments for gemv_bf16 / gemv_fp8 / gemv_nvfp4 at M = 1."""
+    """Keyword arguments for gemv_bf16 / gemv_fp8 / gemv_nvfp4 at M = 1; kind "nvfp4_silu":
+    gemv_nvfp4_silu (whole 16-value blocks per tile, no split)."""
+    if kind == "nvfp4_silu":
+        return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
     wide_k = k >= 4096 and k % 1024 == 0
     head = n >= 65536  # the lm_head: many CTAs already, no split
     if kind in ("fp8", "nvfp4"):  # the paired-fp16 kernels (half2.py)

@@ -296,6 +296,14 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     qg = torch.randn(4, heads, 2 * hd, dtype=torch.bfloat16, device=DEV)
     gated = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])
     assert rel(gated, attn_decode_ref(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])) <= 1e-2
+    # quant="fp8": each row also quantized per token in the merge launch (an FP8 o_proj's
+    # input), exactly quant_fp8_per_token's codes and scales of the bf16 output
+    from ocriaquant.runtime.kernels import quant_fp8_per_token
+
+    o, (q8, s8) = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:], quant="fp8")
+    assert torch.equal(o, gated)
+    want_q, want_s = quant_fp8_per_token(o.reshape(4, -1))
+    assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s8, want_s)
 
 
 @pytest.mark.parametrize("heads,kvh,hd,rot", [(4, 2, 32, 8), (16, 4, 256, 64)])

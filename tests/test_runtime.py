@@ -142,7 +142,7 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
     from ocriaquant.runtime.model_runner import RuntimeModel
 
     plan = {"layers.0.gdn_in": "nvfp4", "layers.0.gdn_out": "fp8", "layers.0.mlp_up": "nvfp4", "layers.0.mlp_down": "fp8",
-            "layers.1.gdn_in": "fp8", "layers.1.gdn_out": "nvfp4", "layers.3.attn_qkv": "fp8",
+            "layers.1.gdn_in": "fp8", "layers.1.gdn_out": "nvfp4", "layers.3.attn_qkv": "fp8", "layers.3.attn_o": "fp8",
             "layers.3.mlp_down": "nvfp4", "layers.2.mlp_up": "nvfp4", "layers.2.mlp_down": "nvfp4"}
     (tmp_path / "plan.json").write_text(json.dumps({"target": "h200", "groups": plan, "model_dir": str(tiny_model_dir),
                                                     "calibration": {"fingerprint": model_fingerprint(tiny_model_dir)}}))

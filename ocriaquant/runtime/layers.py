@@ -464,8 +464,11 @@ class Attention(nn.Module):
             qg = qg.reshape(b, -1, 2 * hd)  # per head: q, then its output gate
             q = qk_norm_rope(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
                              step.sin, state["k"], state["v"], step.slots32, step.lengths32)
-            o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:])
-            return self.o_proj(o.reshape(b, -1))
+            # above batch 1 an FP8 o_proj's input is quantized in the merge launch (as gdn_decode does)
+            fp8_out = self.o_proj.kind == "fp8" and self.o_proj.uses_kernels(x) and b > 1
+            o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:],
+                            quant="fp8" if fp8_out else None)
+            return self.o_proj(o[0].reshape(b, -1), o[1]) if fp8_out else self.o_proj(o.reshape(b, -1))
         q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]
         slots, lengths, span = step.slots, step.lengths, step.span
         state["k"][slots, :, lengths] = k[:, :, 0]

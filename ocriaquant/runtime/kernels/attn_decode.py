@@ -8,6 +8,10 @@ program reading its slot's cache in place; the grid depends only on max_len, so 
 shape serves every step and the decode step can be captured. A chunk past the row's length
 does no work. A second launch merges the chunks' partial softmaxes (max, sum, weighted values).
 
+With `quant="fp8"` (an FP8 o_proj) the merge also quantizes each row's output per token, as
+quant_fp8_per_token does: the row's last head to finish (a ticket per row, as in splitk.py)
+quantizes the whole row.
+
 Layouts: q [B, heads, hd]; cache [slots, KV heads, max_len, hd] (hd contiguous); slots and
 lengths int32 [B] — `lengths[b]` is the position of the new token, already written to the
 cache, so positions 0..lengths[b] are visible. Padded rows point at a sentinel slot with
@@ -22,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_fp8 import quant_fp8_row
 from .rounding import round_bf16
-from .splitk import start_after_producer, use_pdl
+from .splitk import start_after_producer, use_pdl, workspace
 
 CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
 
@@ -80,8 +85,9 @@ def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, p
 
 
 @triton.jit
-def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, stride_ob, stride_oh, stride_gb, stride_gh, NSPLIT,
-                       HEADS, HD: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
+def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, q8_ptr, qs_ptr, tick_ptr, stride_ob, stride_oh,
+                       stride_gb, stride_gh, NSPLIT, HEADS, HD: tl.constexpr, SP: tl.constexpr, GATED: tl.constexpr,
+                       PDL: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr):
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -99,14 +105,23 @@ def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, stride_ob, stride
         g = tl.load(g_ptr + b * stride_gb + h * stride_gh + rd).to(tl.float32)
         o = round_bf16(round_bf16(o) * round_bf16(1.0 / (1.0 + tl.exp(-g))))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
+    if QUANT:  # the row's last head quantizes the row (its stores released before the ticket)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tick_ptr + b, 1, sem="acq_rel")
+        tl.debug_barrier()
+        if ticket == HEADS - 1:
+            quant_fp8_row(out_ptr + b * stride_ob, q8_ptr + b * HEADS * HD, qs_ptr + b, qs_ptr, HEADS * HD, QB, False)
+            tl.atomic_xchg(tick_ptr + b, 0)
 
 
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                gate: torch.Tensor | None = None) -> torch.Tensor:
+                gate: torch.Tensor | None = None, quant: str | None = None):
     """q [B, heads, hd]; k/v cache [slots, KV heads, max_len, hd]; slots, lengths int32 [B]
     -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b], times
-    sigmoid(gate) when `gate` [B, heads, hd] (strides free, hd contiguous) is given."""
+    sigmoid(gate) when `gate` [B, heads, hd] (strides free, hd contiguous) is given.
+    quant="fp8": returns (out, (E4M3 [B, heads·hd], fp32 scale [B, 1])), each row quantized as
+    quant_fp8_per_token does, in the merge launch."""
     bsz, heads, hd = q.shape
     _, kvh, max_len, hd_c = k_cache.shape
     if hd_c != hd or heads % kvh or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
@@ -130,10 +145,19 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")
     g = gate if gate is not None else out
-    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit,
-                                     heads, HD=hd, SP=triton.next_power_of_2(nsplit), GATED=gate is not None,
-                                     num_warps=4, PDL=pdl, launch_pdl=pdl)
-    return out
+    if quant not in (None, "fp8") or (quant and out.stride(0) != heads * hd):
+        raise ValueError(f"attn_decode: quant must be None or 'fp8' (with contiguous output rows), got {quant!r}")
+    q8 = qs = out
+    if quant:
+        q8 = torch.empty(bsz, heads * hd, dtype=torch.float8_e4m3fn, device=dev)
+        qs = torch.empty(bsz, 1, dtype=torch.float32, device=dev)
+    _, tick = workspace(dev, (1,), bsz, owner="attn_quant")
+    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, q8.view(torch.uint8) if quant else q8, qs, tick,
+                                     out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit, heads, HD=hd,
+                                     SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=4, PDL=pdl,
+                                     launch_pdl=pdl, QUANT=quant is not None,
+                                     QB=min(4096, triton.next_power_of_2(heads * hd)))
+    return out if quant is None else (out, (q8, qs))
 
 
 def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64, gate=None):

@@ -7,7 +7,10 @@ fma.rn.f16x2 (half2.py), where the tensor-core path would waste 15 of its 16 row
 
 Layouts as export writes them (compressed-tensors `nvfp4-pack-quantized`): weight_packed
 uint8 [N, K/2] (even k in the low nibble), weight_scale E4M3 [N, K/16], weight_global_scale
-fp32 [1]; dequantized w = e2m1 · (scale / global).
+fp32 [1]; dequantized w = e2m1 · (scale / global). The M = 1 kernel reads the same codes with
+their bits reordered once at load (pack_m1, half2.M1_LAYOUT): 11 integer ops decode a word of
+eight weights where the checkpoint's order took 15, and the kernel is bound by instructions.
+gemv_nvfp4_silu is that kernel on a fused gate_up whose epilogue applies silu(gate) · up.
 
 Nibbles decode to E2M1 × 2⁻¹⁴ in fp16 with a few integer ops (half2.e2m1_times_2m14); the
 2¹⁴ goes into the block scale (a power of two, so rounding is unchanged).
@@ -279,7 +282,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
 
 def gemv_nvfp4_silu(x_pairs: tuple[torch.Tensor, torch.Tensor], m1: tuple[torch.Tensor, torch.Tensor],
                     w_global_scale: torch.Tensor, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
-                    num_stages: int = 4, ptx: bool = True, pdl: bool | None = None, **_) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_stages: int = 4, ptx: bool = True, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch 1, a fused NVFP4 gate_up packed with pack_m1(..., interleave=True), its input as
     activation pairs -> silu(gate) · up as down_proj's NVFP4 activation pairs (int32 [1, I/2],
     fp32 [1, I/16]), in one launch: the GEMV, silu_mul_quant's bf16 rounding and
@@ -304,3 +307,11 @@ def gemv_nvfp4_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tenso
 
     w = nvfp4.dequantize(w_packed, w_scale, w_global_scale, torch.bfloat16)
     return x.double() @ w.double().T
+
+
+def gemv_nvfp4_silu_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                        w_global_scale: torch.Tensor) -> torch.Tensor:
+    """Plain torch, float64: silu(gate) · up of a fused gate_up (rows [gate; up], not
+    interleaved), what gemv_nvfp4_silu's activation pairs hold up to bf16 and fp16 rounding."""
+    gate, up = gemv_nvfp4_ref(x, w_packed, w_scale, w_global_scale).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -186,6 +186,7 @@ class RuntimeModel(nn.Module):
             if isinstance(m, QuantLinear) and m.kind.startswith("nvfp4") and m.w_m1 is None:
                 m.pack_m1()
 
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                deltas: torch.Tensor) -> torch.Tensor:
         """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv_fp8 import quant_fp8_row
+from .gemv_fp8 import quant_fp8_row_when_last
 from .rounding import round_bf16
 from .splitk import start_after_producer, use_pdl, workspace
 
@@ -105,13 +105,9 @@ def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, q8_ptr, qs_ptr, t
         g = tl.load(g_ptr + b * stride_gb + h * stride_gh + rd).to(tl.float32)
         o = round_bf16(round_bf16(o) * round_bf16(1.0 / (1.0 + tl.exp(-g))))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
-    if QUANT:  # the row's last head quantizes the row (its stores released before the ticket)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tick_ptr + b, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if ticket == HEADS - 1:
-            quant_fp8_row(out_ptr + b * stride_ob, q8_ptr + b * HEADS * HD, qs_ptr + b, qs_ptr, HEADS * HD, QB, False)
-            tl.atomic_xchg(tick_ptr + b, 0)
+    if QUANT:  # the row's last head quantizes the row
+        quant_fp8_row_when_last(tick_ptr + b, HEADS, out_ptr + b * stride_ob, q8_ptr + b * HEADS * HD, qs_ptr + b,
+                                qs_ptr, HEADS * HD, QB, False)
 
 
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -147,11 +143,11 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     g = gate if gate is not None else out
     if quant not in (None, "fp8") or (quant and out.stride(0) != heads * hd):
         raise ValueError(f"attn_decode: quant must be None or 'fp8' (with contiguous output rows), got {quant!r}")
-    q8 = qs = out
+    q8 = qs = tick = out
     if quant:
         q8 = torch.empty(bsz, heads * hd, dtype=torch.float8_e4m3fn, device=dev)
         qs = torch.empty(bsz, 1, dtype=torch.float32, device=dev)
-    _, tick = workspace(dev, (1,), bsz, owner="attn_quant")
+        _, tick = workspace(dev, (1,), bsz, owner="attn_quant")
     _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, q8.view(torch.uint8) if quant else q8, qs, tick,
                                      out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit, heads, HD=hd,
                                      SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=4, PDL=pdl,

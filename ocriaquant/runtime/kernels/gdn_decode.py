@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .gemv_fp8 import quant_fp8_row
+from .gemv_fp8 import quant_fp8_row_when_last
 from .splitk import sm_count, use_pdl, wait_for_inputs, workspace
 
 
@@ -80,12 +80,14 @@ def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: t
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, dtb_ptr, nw_ptr, s_ptr, slot_ptr,
-                       out_ptr, ws_ptr, tick_ptr, q8_ptr, qs_ptr, qh_ptr, tick2_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot, cs_stride_c,
+                       out_ptr, ws_ptr, tick_ptr, q8_ptr, qs_ptr, qh_ptr, stride_qkv, stride_z, stride_ab, cs_stride_slot,
+                       cs_stride_c,
                        s_stride_slot, stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NVB: tl.constexpr, BVF: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr,
                        QUANT: tl.constexpr, QB: tl.constexpr):
-    """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh)."""
+    """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh).
+    Tickets: [B·H] per (row, key head), then [B] per row (QUANT)."""
     bi = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -153,14 +155,9 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
             of = tl.where(valid_f, of, 0.0)
             tl.store(out_ptr + bi * stride_out + hv_i * V + rf, of.to(out_ptr.dtype.element_ty), mask=f_ok)
         tl.atomic_xchg(tick_ptr + bi * H + h, 0)
-        if QUANT > 0:  # the row's last key head quantizes the whole row (second ticket, as above)
-            tl.debug_barrier()
-            row_ticket = tl.atomic_add(tick2_ptr + bi, 1, sem="acq_rel")
-            tl.debug_barrier()
-            if row_ticket == H - 1:
-                quant_fp8_row(out_ptr + bi * stride_out, q8_ptr + bi * HV * V, qs_ptr + bi, qh_ptr + bi * HV * V,
-                              HV * V, QB, QUANT == 2)
-                tl.atomic_xchg(tick2_ptr + bi, 0)
+        if QUANT > 0:  # the row's last key head quantizes the whole row
+            quant_fp8_row_when_last(tick_ptr + tl.num_programs(0) * H + bi, H, out_ptr + bi * stride_out,
+                                    q8_ptr + bi * HV * V, qs_ptr + bi, qh_ptr + bi * HV * V, HV * V, QB, QUANT == 2)
 
 
 def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
@@ -196,7 +193,8 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         raise ValueError("gdn_decode: conv_state's last dim and a/b rows must be contiguous (same strides)")
     nvb = v_blocks or _v_blocks(bsz, hv, V, qkv.device)
     bv = triton.next_power_of_2(triton.cdiv(V, nvb))
-    ws, tick = workspace(qkv.device, (bsz, hv, V), bsz * H, owner="gdn")  # o rows before the norm, tickets
+    # o rows before the norm; tickets per (row, key head), then per row (quant)
+    ws, tick = workspace(qkv.device, (bsz, hv, V), bsz * (H + 1), owner="gdn")
     out = torch.empty(bsz, hv * V, dtype=qkv.dtype, device=qkv.device) if out is None else out
     # Launched early (PDL) only where a program's state tile is small (batch 1): larger batches fill
     # the SMs with programs of ~250 registers, and waiting ones took room from the running GEMV
@@ -210,10 +208,9 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         q8 = torch.empty(bsz, hv * V, dtype=torch.float8_e4m3fn, device=qkv.device)
         qs = torch.empty(bsz, 1, dtype=torch.float32, device=qkv.device)
         qh = torch.empty(bsz, hv * V, dtype=torch.float16, device=qkv.device) if half else qs
-    _, tick2 = workspace(qkv.device, (1,), bsz, owner="gdn_quant")
     _gdn_decode_kernel[(bsz, hv, triton.cdiv(V, bv))](
         qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
-        q8.view(torch.uint8) if quant else q8, qs, qh, tick2,
+        q8.view(torch.uint8) if quant else q8, qs, qh,
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),

@@ -110,8 +110,8 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 @triton.jit
 def quant_fp8_row(x_ptr, q_ptr, s_ptr, h_ptr, K, BK: tl.constexpr, HALF: tl.constexpr):
     """One row of K activations at x_ptr -> E4M3 codes at q_ptr, the scale at s_ptr and, with
-    HALF, the codes' fp16 pairs at h_ptr. The row is read from L2 (.cg): gdn_decode calls this
-    on a row other programs of its grid wrote."""
+    HALF, the codes' fp16 pairs at h_ptr. The row is read from L2 (.cg): quant_fp8_row_when_last
+    calls this on a row other programs of its grid wrote."""
     rk = tl.arange(0, BK)
     amax = tl.zeros((BK,), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -125,6 +125,20 @@ def quant_fp8_row(x_ptr, q_ptr, s_ptr, h_ptr, K, BK: tl.constexpr, HALF: tl.cons
         if HALF:
             tl.store(h_ptr + k0 + rk, fp8_pairs(codes), mask=k0 + rk < K)
     tl.store(s_ptr, scale)
+
+
+@triton.jit
+def quant_fp8_row_when_last(tick_ptr, parts, x_ptr, q_ptr, s_ptr, h_ptr, K, BK: tl.constexpr, HALF: tl.constexpr):
+    """Called by each of the `parts` programs that write a row of x (gdn_decode's key heads,
+    attn_decode's heads) after its own stores: the last to arrive quantizes the whole row
+    (quant_fp8_row) and resets the row's ticket. A barrier puts every thread's stores before
+    the acq_rel ticket, as in splitk.store_or_reduce."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tick_ptr, 1, sem="acq_rel")
+    tl.debug_barrier()
+    if ticket == parts - 1:
+        quant_fp8_row(x_ptr, q_ptr, s_ptr, h_ptr, K, BK, HALF)
+        tl.atomic_xchg(tick_ptr, 0)
 
 
 @triton.jit

@@ -213,12 +213,11 @@ def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = Fa
     b = w_packed.to(torch.int64)
     nib = torch.stack([b & 15, b >> 4], -1).reshape(n, k // 16, 2, 2, 4)  # [row, block, word, half, pair]
     mag, sign = nib & 7, nib >> 3
-    h = torch.tensor([0, 16], device=b.device)  # the pair's low and high fp16 half
     words = torch.zeros(n, k // 16, 2, dtype=torch.int64, device=b.device)
     for j, (m_sh, s_sh) in enumerate(M1_LAYOUT):  # bit t of the decoded pair comes from bit t - shift
-        # the three magnitude bits move together (9-11 after the shift), the sign to 15; the
-        # halves' bits are disjoint, so summing over them is or-ing them in
-        words |= ((mag[..., j] << (9 - m_sh + h)) + (sign[..., j] << (15 - s_sh + h))).sum(-1)
+        for h in (0, 16):  # the pair's low and high fp16 half (python ints: no tensor made during a graph capture)
+            # the three magnitude bits move together (9-11 after the shift), the sign to 15
+            words |= (mag[..., h // 16, j] << (9 - m_sh + h)) | (sign[..., h // 16, j] << (15 - s_sh + h))
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
     return words.to(torch.int32).reshape(n, k // 8).contiguous(), w_scale.contiguous()
 

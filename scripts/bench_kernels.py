@@ -295,18 +295,25 @@ def bench_gdn(bw: float, log) -> list:
                    state=r(slots_n, HV, V, K, scale=0.2, dtype=torch.float32))
         slots = torch.randperm(slots_n, device="cuda")[:bsz].int()
         out_ref, cs_ref, st_ref = gdn_decode_ref(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V)
-        out = torch.full((bsz, HV * V), float("nan"), dtype=torch.float32, device="cuda")
-        gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, out=out)
-        e_out, e_state = rel(out, out_ref), rel(inp["state"], st_ref)
-        if not (e_out <= 1e-3 and e_state <= 1e-3 and torch.equal(inp["conv_state"], cs_ref)):
-            raise SystemExit(f"gdn_decode wrong at B={bsz}: out {e_out:.2e}, state {e_state:.2e}")
+        for nvb in (None, 1, 2, 4, 8):  # the default, then every V-split the sweep below times
+            fresh = dict(inp, state=inp["state"].clone(), conv_state=inp["conv_state"].clone())
+            out = torch.full((bsz, HV * V), float("nan"), dtype=torch.float32, device="cuda")
+            gdn_decode(**fresh, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, out=out, v_blocks=nvb)
+            e_out, e_state = rel(out, out_ref), rel(fresh["state"], st_ref)
+            if not (e_out <= 1e-3 and e_state <= 1e-3 and torch.equal(fresh["conv_state"], cs_ref)):
+                raise SystemExit(f"gdn_decode wrong at B={bsz}, V-blocks {nvb}: out {e_out:.2e}, state {e_state:.2e}")
         out_bf = torch.empty(bsz, HV * V, dtype=torch.bfloat16, device="cuda")
         res = {}
-        for nw in (4, 8, 16):
-            res[nw] = graph_time_us([lambda nw=nw: gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K,
-                                                              head_v_dim=V, out=out_bf, num_warps=nw)] * 8)
-        nw = min(res, key=res.get)
-        ours = res[nw]
+        for nvb in (1, 2, 4, 8):
+            for nw in (4, 8, 16):
+                res[nvb, nw] = graph_time_us([lambda nw=nw, nvb=nvb: gdn_decode(
+                    **inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, out=out_bf, num_warps=nw,
+                    v_blocks=nvb)] * 8)
+        default = graph_time_us([lambda: gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V,
+                                                    out=out_bf)] * 8)
+        (nvb, nw) = min(res, key=res.get)
+        ours = res[nvb, nw]
+        log("  " + ", ".join(f"{b}x{w}: {t:.1f}" for (b, w), t in sorted(res.items())) + f"; default {default:.1f}")
         norm = Qwen3_5RMSNormGated(V).cuda().to(torch.bfloat16)
         norm.weight.data.copy_(inp["norm_weight"])
         state_kv = inp["state"][:bsz].transpose(-1, -2).contiguous()  # fla/transformers keep [.., K, V]
@@ -338,11 +345,12 @@ def bench_gdn(bw: float, log) -> list:
             log(f"  fla kernel alone not timed: {e}")
         state_bytes = 2 * bsz * HV * V * K * 4
         roof_us = state_bytes / bw * 1e6
-        rows.append({"batch": bsz, "ours_us": round(ours, 2), "num_warps": nw, "fla_glue_us": round(base, 2),
+        rows.append({"batch": bsz, "ours_us": round(ours, 2), "num_warps": nw, "v_blocks": nvb,
+                     "default_us": round(default, 2), "sweep_us": {f"{b}x{w}": round(t, 2) for (b, w), t in res.items()}, "fla_glue_us": round(base, 2),
                      "fla_glue_timing": base_kind, "fla_kernel_only_us": None if fla_only is None else round(fla_only, 2),
                      "speedup": round(base / ours, 2), "state_roofline_us": round(roof_us, 2),
                      "%roofline": round(100 * roof_us / ours, 1), "err_out": e_out, "err_state": e_state})
-        log(f"gdn_decode B={bsz}: ours {ours:.1f}us (warps {nw}), fla+glue {base:.1f}us ({base_kind}), fla kernel "
+        log(f"gdn_decode B={bsz}: ours {ours:.1f}us (V-blocks {nvb}, warps {nw}), fla+glue {base:.1f}us ({base_kind}), fla kernel "
             f"{fla_only if fla_only is None else round(fla_only, 1)}us -> {base / ours:.2f}x; state roofline "
             f"{roof_us:.1f}us = {rows[-1]['%roofline']}%")
     return rows

@@ -201,6 +201,9 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     # (B = 32 / 64 1.4x slower, B = 8 steps 6 % slower on an H200, session 6).
     early = bv * triton.next_power_of_2(K) <= 32 * 128
     pdl = early and use_pdl(qkv.device, None)
+    # 4 warps at every batch: bench_kernels.py's sweep (H200, session 8) found them fastest or tied
+    # for each V-split; with a whole V row per program (B >= 32) 8 warps took 127 us at B = 64
+    # against 91. Inside the decode step the two read the same within run-to-run spread.
     if quant not in (None, "fp8"):
         raise ValueError(f"gdn_decode: quant must be None or 'fp8', got {quant!r}")
     q8 = qs = qh = out
@@ -215,7 +218,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
         EARLY_S=early, QUANT=0 if quant is None else (2 if half else 1), QB=min(4096, triton.next_power_of_2(hv * V)),
-        num_warps=num_warps or (4 if bv <= 32 else 8), PDL=pdl, launch_pdl=pdl)
+        num_warps=num_warps or 4, PDL=pdl, launch_pdl=pdl)
     if quant is None:
         return out
     return out, ((q8, qs, qh) if half else (q8, qs))

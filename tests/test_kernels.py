@@ -32,6 +32,22 @@ def fp8_codes_match(got, want):
     return torch.equal(g[normal], w[normal]) and bool(((g - w).abs() <= 2.0**-9 + 1e-12).all())
 
 
+@pytest.mark.parametrize("m,k", [(1, 4096), (3, 1000)])
+def test_quant_fp8_per_token_slices(m, k):
+    """Activation quantization equals quant/'s (compressed-tensors-exact) numerics however the
+    row is shared out among programs (each reads it whole for the scale, writes a slice)."""
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import quant_fp8_per_token
+
+    torch.manual_seed(k)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
+    q_ref, s_ref = fp8.quantize_activation(x)
+    for slice_k in (128, 512, 8192):
+        q, s, h = quant_fp8_per_token(x, half=True, slice_k=slice_k)
+        assert torch.equal(s, s_ref.float()) and fp8_codes_match(q, q_ref)
+        assert torch.equal(h, q.to(torch.float16) * 2.0**-8)
+
+
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (5, 40, 768, 1), (16, 32, 1024, 3), (33, 16, 256, 1)])
 def test_gemv_fp8(m, n, k, split):
     from ocriaquant.quant import fp8
@@ -364,6 +380,12 @@ def test_add_rmsnorm_matches_torch_ops(b, d):
         assert torch.equal(words, w_ref) and torch.equal(scales, s_ref)
     else:
         assert len(out) == 2
+    # programs that each write a slice of the row (the last one partial) give the same bytes
+    for quant in (None, "fp8", "nvfp4"):
+        whole, sliced = add_rmsnorm(x, h, w, 1e-6, quant, slice_d=4096), add_rmsnorm(x, h, w, 1e-6, quant, slice_d=64)
+        assert all(torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+                   for a, c in zip([*whole[:2], *(whole[2] if len(whole) > 2 else [])],
+                                   [*sliced[:2], *(sliced[2] if len(sliced) > 2 else [])]))
 
 
 def test_nvfp4_x_pairs_equal_reference():

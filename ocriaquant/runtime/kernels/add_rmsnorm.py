@@ -20,44 +20,78 @@ from .splitk import start_after_producer, use_pdl
 
 
 @triton.jit
+def _residual(x_ptr, h_ptr, rd, m, HAS_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """r = x + h at columns rd, rounded to bf16 as torch's bf16 add rounds it (the interpreter's
+    own cast truncates, see rounding.py), in fp32; x alone without h."""
+    r = tl.load(x_ptr + rd, mask=m, other=0.0).to(tl.float32)
+    if HAS_H:
+        r = r + tl.load(h_ptr + rd, mask=m, other=0.0).to(tl.float32)
+        r = round_bf16(r) if INTERPRET else r.to(tl.bfloat16).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _normed(r, rstd, w_ptr, rd, m):
+    """The bf16 norm output at columns rd (kept in fp32), which the quantized forms are made from."""
+    return round_bf16(r * rstd * (1.0 + tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32)))
+
+
+@triton.jit
 def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, D, eps, stride_x, stride_h, stride_r,
-                        stride_y, HAS_H: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr,
+                        stride_y, HAS_H: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    """QUANT: 0 none; 1 FP8 codes (q) and scale (s); 2 those and their fp16 pairs (p); 3 NVFP4
+    """Program (row, slice): the row's statistics from the whole row (its sum of squares and,
+    for FP8, its absmax), then r, y and y's quantized form for the slice's BS columns only.
+    QUANT: 0 none; 1 FP8 codes (q) and scale (s); 2 those and their fp16 pairs (p); 3 NVFP4
     activation pairs, words in q and block scales in s (half2.py)."""
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
+    start = tl.program_id(1) * BS
+    x_row, h_row = x_ptr + row * stride_x, h_ptr + row * stride_h
     rd = tl.arange(0, BD)
     m = rd < D
-    r = tl.load(x_ptr + row * stride_x + rd, mask=m, other=0.0).to(tl.float32)
+    r = _residual(x_row, h_row, rd, m, HAS_H, INTERPRET)
+    rstd = tl.rsqrt(tl.sum(r * r, 0) / D + eps)
+    if BS == BD:  # one program per row: the slice is the row, already in registers
+        rs, ms = rd, m
+        y = _normed(r, rstd, w_ptr, rd, m)
+        if QUANT == 1 or QUANT == 2:
+            scale = fp8_token_scale(tl.max(tl.abs(y), 0))
+    else:
+        if QUANT == 1 or QUANT == 2:  # quant_fp8_per_token's scale needs the whole row's output
+            scale = fp8_token_scale(tl.max(tl.abs(_normed(r, rstd, w_ptr, rd, m)), 0))
+        rs = start + tl.arange(0, BS)
+        ms = rs < D
+        r = _residual(x_row, h_row, rs, ms, HAS_H, INTERPRET)
+        y = _normed(r, rstd, w_ptr, rs, ms)
     if HAS_H:
-        r = r + tl.load(h_ptr + row * stride_h + rd, mask=m, other=0.0).to(tl.float32)
-        # the residual stream is BF16: round the sum as torch's bf16 add does (the interpreter's
-        # own cast truncates, see rounding.py)
-        r = round_bf16(r) if INTERPRET else r.to(tl.bfloat16).to(tl.float32)
-        tl.store(r_ptr + row * stride_r + rd, r.to(r_ptr.dtype.element_ty), mask=m)
-    y = r * tl.rsqrt(tl.sum(r * r, 0) / D + eps) * (1.0 + tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32))
-    y = round_bf16(y)  # the bf16 output, which the quantized forms below are made from
-    tl.store(y_ptr + row * stride_y + rd, y.to(y_ptr.dtype.element_ty), mask=m)
-    if QUANT == 1 or QUANT == 2:  # quant_fp8_per_token's numerics (gemv_fp8.py), on the row in registers
-        scale = fp8_token_scale(tl.max(tl.abs(y), 0))
+        tl.store(r_ptr + row * stride_r + rs, r.to(r_ptr.dtype.element_ty), mask=ms)
+    tl.store(y_ptr + row * stride_y + rs, y.to(y_ptr.dtype.element_ty), mask=ms)
+    if QUANT == 1 or QUANT == 2:  # quant_fp8_per_token's numerics (gemv_fp8.py)
         codes = fp8_token_codes(y, scale)
-        tl.store(q_ptr + row * D + rd, codes.to(tl.uint8), mask=m)
-        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * D + rs, codes.to(tl.uint8), mask=ms)
+        if tl.program_id(1) == 0:
+            tl.store(s_ptr + row, scale)
         if QUANT == 2:
-            tl.store(p_ptr + row * D + rd, fp8_pairs(codes), mask=m)
+            tl.store(p_ptr + row * D + rs, fp8_pairs(codes), mask=ms)
     if QUANT == 3:
-        store_nvfp4_pairs(y, q_ptr + row * (D // 2), s_ptr + row * (D // 16), 0, D)
+        store_nvfp4_pairs(y, q_ptr + row * (D // 2), s_ptr + row * (D // 16), start, D)
 
 
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                quant: str | None = None):
+                quant: str | None = None, slice_d: int | None = None):
     """x, h bf16 [B, D] (h None: norm only), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
     None r is x itself. y is also written in the form the next GEMV reads, as a third item:
     - quant="fp8": (E4M3 [B, D], fp32 scale [B, 1]) — quant_fp8_per_token(y) without its launch
       — and at B = 1 the codes' fp16 pairs [1, D] for gemv_fp8's batch-1 kernel;
     - quant="nvfp4": at B = 1, (int32 [1, D/2], fp32 [1, D/16]), y's pairs for gemv_nvfp4's
-      batch-1 kernel (nvfp4_x_pairs); above B = 1 nothing (the W4A16 Linears take y itself)."""
+      batch-1 kernel (nvfp4_x_pairs); above B = 1 nothing (the W4A16 Linears take y itself).
+    slice_d: columns a program writes (a power of two, at least 16; None: the whole row, one
+    program per row, 8 warps past 2048 columns). With slices every program reads its row whole
+    for the statistics and shares out the per-element work (rounding, codes, pairs, stores).
+    At batch 1 one program per row takes 3.9 us of the decode step's critical path, 65 times a
+    step (scripts/profile_step.py, BENCHMARKS.md session 8); whether slices take that down
+    inside the step is not measured yet, so the runtime keeps one program."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"add_rmsnorm: x must be bf16 with contiguous rows, got {x.dtype} {tuple(x.stride())}")
     if quant not in (None, "fp8", "nvfp4"):
@@ -81,10 +115,12 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
         s = torch.empty(b, d // 16, dtype=torch.float32, device=x.device)
         code, extra = 3, (q, s)
     pdl = use_pdl(x.device, None)
-    _add_rmsnorm_kernel[(b,)](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), hh.stride(0), r.stride(0),
-                              y.stride(0), HAS_H=h is not None, QUANT=code, BD=triton.next_power_of_2(d),
-                              INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                              num_warps=8 if d > 2048 else 4, PDL=pdl, launch_pdl=pdl)
+    bd = triton.next_power_of_2(d)
+    bs = bd if slice_d is None else max(16, min(slice_d, bd))
+    _add_rmsnorm_kernel[(b, triton.cdiv(d, bs))](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), hh.stride(0),
+                                                 r.stride(0), y.stride(0), HAS_H=h is not None, QUANT=code, BD=bd,
+                                                 BS=bs, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                                                 num_warps=8 if bs == bd and d > 2048 else 4, PDL=pdl, launch_pdl=pdl)
     return (r, y) if extra is None else (r, y, extra)
 
 

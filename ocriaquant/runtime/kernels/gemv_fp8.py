@@ -108,22 +108,37 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
 
 @triton.jit
-def quant_fp8_row(x_ptr, q_ptr, s_ptr, h_ptr, K, BK: tl.constexpr, HALF: tl.constexpr):
-    """One row of K activations at x_ptr -> E4M3 codes at q_ptr, the scale at s_ptr and, with
-    HALF, the codes' fp16 pairs at h_ptr. The row is read from L2 (.cg): quant_fp8_row_when_last
-    calls this on a row other programs of its grid wrote."""
+def row_absmax(x_ptr, K, BK: tl.constexpr):
+    """max |x| over the K values at x_ptr, read from L2 (.cg): quant_fp8_row_when_last calls this
+    on a row other programs of its grid wrote."""
     rk = tl.arange(0, BK)
     amax = tl.zeros((BK,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_token_scale(tl.max(amax, 0))
-    for k0 in range(0, K, BK):
-        x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0, cache_modifier=".cg").to(tl.float32)
-        codes = fp8_token_codes(x, scale)
-        tl.store(q_ptr + k0 + rk, codes.to(tl.uint8), mask=k0 + rk < K)
+    return tl.max(amax, 0)
+
+
+@triton.jit
+def quant_fp8_span(x_ptr, q_ptr, h_ptr, scale, start, end, BK: tl.constexpr, HALF: tl.constexpr):
+    """Values start … end-1 of the row at x_ptr -> their E4M3 codes at q_ptr (and, with HALF,
+    the codes' fp16 pairs at h_ptr), at the row's scale."""
+    rk = tl.arange(0, BK)
+    for k0 in range(start, end, BK):
+        m = k0 + rk < end
+        codes = fp8_token_codes(tl.load(x_ptr + k0 + rk, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32),
+                                scale)
+        tl.store(q_ptr + k0 + rk, codes.to(tl.uint8), mask=m)
         if HALF:
-            tl.store(h_ptr + k0 + rk, fp8_pairs(codes), mask=k0 + rk < K)
+            tl.store(h_ptr + k0 + rk, fp8_pairs(codes), mask=m)
+
+
+@triton.jit
+def quant_fp8_row(x_ptr, q_ptr, s_ptr, h_ptr, K, BK: tl.constexpr, HALF: tl.constexpr):
+    """One row of K activations at x_ptr -> E4M3 codes at q_ptr, the scale at s_ptr and, with
+    HALF, the codes' fp16 pairs at h_ptr, by one program."""
+    scale = fp8_token_scale(row_absmax(x_ptr, K, BK))
+    quant_fp8_span(x_ptr, q_ptr, h_ptr, scale, 0, K, BK, HALF)
     tl.store(s_ptr, scale)
 
 
@@ -142,24 +157,37 @@ def quant_fp8_row_when_last(tick_ptr, parts, x_ptr, q_ptr, s_ptr, h_ptr, K, BK: 
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, BK: tl.constexpr, HALF: tl.constexpr,
-                      PDL: tl.constexpr):
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, BK: tl.constexpr, BS: tl.constexpr,
+                      HALF: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, slice): the whole row's absmax, then the codes of its BS values only."""
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
-    quant_fp8_row(x_ptr + row * stride_xm, q_ptr + row * K, s_ptr + row, h_ptr + row * K, K, BK, HALF)
+    start = tl.program_id(1) * BS
+    x = x_ptr + row * stride_xm
+    scale = fp8_token_scale(row_absmax(x, K, BK))
+    quant_fp8_span(x, q_ptr + row * K, h_ptr + row * K, scale, start, tl.minimum(start + BS, K), BS, HALF)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + row, scale)
 
 
-def quant_fp8_per_token(x: torch.Tensor, half: bool = False) -> tuple[torch.Tensor, ...]:
+def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None = None) -> tuple[torch.Tensor, ...]:
     """bf16 [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]), numerics of quant.fp8.fake_quant_activation;
     half: and a third item, the codes' values × 2^-8 in fp16 (half2.fp8_pairs), what
-    gemv_fp8's batch-1 kernel reads."""
+    gemv_fp8's batch-1 kernel reads. slice_k: values a program quantizes (a power of two; each
+    program also reads its row whole for the scale; None: the whole row, one 8-warp program per
+    row). At batch 1 one program takes 8 us for a 4096-wide row, on the decode step's critical
+    path between gdn_decode and out_proj, 32 times a step (scripts/profile_step.py, BENCHMARKS.md
+    session 8); whether slices take that down inside the step is not measured yet."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     h = torch.empty(m, k, dtype=torch.float16, device=x.device) if half else s
     pdl = use_pdl(x.device, None)
-    _quant_fp8_kernel[(m,)](x, q.view(torch.uint8), s, h, k, x.stride(0), BK=min(4096, triton.next_power_of_2(k)),
-                            HALF=half, PDL=pdl, launch_pdl=pdl, num_warps=8)
+    bk = min(4096, triton.next_power_of_2(k))
+    bs = bk if slice_k is None else min(slice_k, triton.next_power_of_2(k))
+    _quant_fp8_kernel[(m, triton.cdiv(k, bs))](x, q.view(torch.uint8), s, h, k, x.stride(0),
+                                               BK=bk, BS=bs, HALF=half, PDL=pdl, launch_pdl=pdl,
+                                               num_warps=8 if slice_k is None else 4)
     return (q, s, h) if half else (q, s)
 
 

@@ -201,9 +201,6 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     # (B = 32 / 64 1.4x slower, B = 8 steps 6 % slower on an H200, session 6).
     early = bv * triton.next_power_of_2(K) <= 32 * 128
     pdl = early and use_pdl(qkv.device, None)
-    # 4 warps at every batch: bench_kernels.py's sweep (H200, session 8) found them fastest or tied
-    # for each V-split; with a whole V row per program (B >= 32) 8 warps took 127 us at B = 64
-    # against 91. Inside the decode step the two read the same within run-to-run spread.
     if quant not in (None, "fp8"):
         raise ValueError(f"gdn_decode: quant must be None or 'fp8', got {quant!r}")
     q8 = qs = qh = out
@@ -211,6 +208,9 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         q8 = torch.empty(bsz, hv * V, dtype=torch.float8_e4m3fn, device=qkv.device)
         qs = torch.empty(bsz, 1, dtype=torch.float32, device=qkv.device)
         qh = torch.empty(bsz, hv * V, dtype=torch.float16, device=qkv.device) if half else qs
+    # 4 warps at every batch: bench_kernels.py's sweep (H200, session 8) found them fastest or tied
+    # for each V-split; with a whole V row per program (B >= 32) 8 warps took 127 us at B = 64
+    # against 91. Inside the decode step the two read the same within run-to-run spread.
     _gdn_decode_kernel[(bsz, hv, triton.cdiv(V, bv))](
         qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
         q8.view(torch.uint8) if quant else q8, qs, qh,

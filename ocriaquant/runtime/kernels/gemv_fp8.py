@@ -157,15 +157,15 @@ def quant_fp8_row_when_last(tick_ptr, parts, x_ptr, q_ptr, s_ptr, h_ptr, K, BK: 
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, BK: tl.constexpr, BS: tl.constexpr,
-                      HALF: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, slice): the whole row's absmax, then the codes of its BS values only."""
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, SLICE, BK: tl.constexpr, HALF: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Program (row, slice): the whole row's absmax, then the codes of its SLICE values only."""
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
-    start = tl.program_id(1) * BS
+    start = tl.program_id(1) * SLICE
     x = x_ptr + row * stride_xm
     scale = fp8_token_scale(row_absmax(x, K, BK))
-    quant_fp8_span(x, q_ptr + row * K, h_ptr + row * K, scale, start, tl.minimum(start + BS, K), BS, HALF)
+    quant_fp8_span(x, q_ptr + row * K, h_ptr + row * K, scale, start, tl.minimum(start + SLICE, K), BK, HALF)
     if tl.program_id(1) == 0:
         tl.store(s_ptr + row, scale)
 
@@ -173,9 +173,8 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, BK: tl.constexpr
 def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None = None) -> tuple[torch.Tensor, ...]:
     """bf16 [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]), numerics of quant.fp8.fake_quant_activation;
     half: and a third item, the codes' values × 2^-8 in fp16 (half2.fp8_pairs), what
-    gemv_fp8's batch-1 kernel reads. slice_k: values a program quantizes (a power of two; each
-    program also reads its row whole for the scale; None: the whole row, one 8-warp program per
-    row). At batch 1 one program takes 8 us for a 4096-wide row, on the decode step's critical
+    gemv_fp8's batch-1 kernel reads. slice_k: values a program quantizes (each program also
+    reads its row whole for the scale; None: the whole row, one 8-warp program per row). At batch 1 one program takes 8 us for a 4096-wide row, on the decode step's critical
     path between gdn_decode and out_proj, 32 times a step (scripts/profile_step.py, BENCHMARKS.md
     session 8); whether slices take that down inside the step is not measured yet."""
     m, k = x.shape
@@ -183,11 +182,10 @@ def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     h = torch.empty(m, k, dtype=torch.float16, device=x.device) if half else s
     pdl = use_pdl(x.device, None)
-    bk = min(4096, triton.next_power_of_2(k))
-    bs = bk if slice_k is None else min(slice_k, triton.next_power_of_2(k))
-    _quant_fp8_kernel[(m, triton.cdiv(k, bs))](x, q.view(torch.uint8), s, h, k, x.stride(0),
-                                               BK=bk, BS=bs, HALF=half, PDL=pdl, launch_pdl=pdl,
-                                               num_warps=8 if slice_k is None else 4)
+    sl = k if slice_k is None else min(slice_k, k)
+    _quant_fp8_kernel[(m, triton.cdiv(k, sl))](x, q.view(torch.uint8), s, h, k, x.stride(0), sl,
+                                               BK=min(4096, triton.next_power_of_2(k)), HALF=half, PDL=pdl,
+                                               launch_pdl=pdl, num_warps=8 if slice_k is None else 4)
     return (q, s, h) if half else (q, s)
 
 

@@ -42,7 +42,7 @@ def test_quant_fp8_per_token_slices(m, k):
     torch.manual_seed(k)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
     q_ref, s_ref = fp8.quantize_activation(x)
-    for slice_k in (128, 512, 8192):
+    for slice_k in (None, 128, 512, 8192):  # None: the default (slices at M = 1)
         q, s, h = quant_fp8_per_token(x, half=True, slice_k=slice_k)
         assert torch.equal(s, s_ref.float()) and fp8_codes_match(q, q_ref)
         assert torch.equal(h, q.to(torch.float16) * 2.0**-8)

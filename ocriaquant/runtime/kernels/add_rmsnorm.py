@@ -19,6 +19,9 @@ from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
 from .splitk import start_after_producer, use_pdl
 
 
+NORM_SLICE_B1 = 512  # columns per program at batch 1 (add_rmsnorm's slice_d)
+
+
 @triton.jit
 def _residual(x_ptr, h_ptr, rd, m, HAS_H: tl.constexpr, INTERPRET: tl.constexpr):
     """r = x + h at columns rd, rounded to bf16 as torch's bf16 add rounds it (the interpreter's
@@ -86,12 +89,15 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
       — and at B = 1 the codes' fp16 pairs [1, D] for gemv_fp8's batch-1 kernel;
     - quant="nvfp4": at B = 1, (int32 [1, D/2], fp32 [1, D/16]), y's pairs for gemv_nvfp4's
       batch-1 kernel (nvfp4_x_pairs); above B = 1 nothing (the W4A16 Linears take y itself).
-    slice_d: columns a program writes (a power of two, at least 16; None: the whole row, one
+    slice_d: columns a program writes (a power of two, at least 16; D or more: the whole row, one
     program per row, 8 warps past 2048 columns). With slices every program reads its row whole
     for the statistics and shares out the per-element work (rounding, codes, pairs, stores).
-    At batch 1 one program per row takes 3.9 us of the decode step's critical path, 65 times a
-    step (scripts/profile_step.py, BENCHMARKS.md session 8); whether slices take that down
-    inside the step is not measured yet, so the runtime keeps one program."""
+    None: 512-column slices at B = 1, the whole row above. At batch 1 the one-program norm sat on
+    the decode step's critical path 65 times a step (3.9 us each, scripts/profile_step.py); on
+    an H200, mixed plan, slices of 512 took the step from 2.28-2.34 to 2.26-2.27 ms alone and to
+    2.20-2.21 ms with quant_fp8_per_token's slices, while at batch 8 they cost ~0.03 ms
+    (B x 5 programs where B already fill the GPU's schedulers), so only batch 1 slices
+    (BENCHMARKS.md, session 9)."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"add_rmsnorm: x must be bf16 with contiguous rows, got {x.dtype} {tuple(x.stride())}")
     if quant not in (None, "fp8", "nvfp4"):
@@ -116,7 +122,9 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
         code, extra = 3, (q, s)
     pdl = use_pdl(x.device, None)
     bd = triton.next_power_of_2(d)
-    bs = bd if slice_d is None else max(16, min(slice_d, bd))
+    if slice_d is None:
+        slice_d = NORM_SLICE_B1 if b == 1 else bd
+    bs = max(16, min(triton.next_power_of_2(slice_d), bd))
     _add_rmsnorm_kernel[(b, triton.cdiv(d, bs))](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), hh.stride(0),
                                                  r.stride(0), y.stride(0), HAS_H=h is not None, QUANT=code, BD=bd,
                                                  BS=bs, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",

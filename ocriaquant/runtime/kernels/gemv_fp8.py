@@ -156,16 +156,20 @@ def quant_fp8_row_when_last(tick_ptr, parts, x_ptr, q_ptr, s_ptr, h_ptr, K, BK: 
         tl.atomic_xchg(tick_ptr, 0)
 
 
+QUANT_SLICE_M1 = 256  # values per program at batch 1 (quant_fp8_per_token's slice_k)
+
+
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, SLICE, BK: tl.constexpr, HALF: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Program (row, slice): the whole row's absmax, then the codes of its SLICE values only."""
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, SLICE, BK: tl.constexpr, BS: tl.constexpr,
+                      HALF: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, slice): the whole row's absmax (BK-wide loads), then the codes of its SLICE
+    values only, BS at a time (BS no wider than the slice, so no lane computes a masked-off code)."""
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
     start = tl.program_id(1) * SLICE
     x = x_ptr + row * stride_xm
     scale = fp8_token_scale(row_absmax(x, K, BK))
-    quant_fp8_span(x, q_ptr + row * K, h_ptr + row * K, scale, start, tl.minimum(start + SLICE, K), BK, HALF)
+    quant_fp8_span(x, q_ptr + row * K, h_ptr + row * K, scale, start, tl.minimum(start + SLICE, K), BS, HALF)
     if tl.program_id(1) == 0:
         tl.store(s_ptr + row, scale)
 
@@ -173,19 +177,26 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, SLICE, BK: tl.co
 def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None = None) -> tuple[torch.Tensor, ...]:
     """bf16 [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]), numerics of quant.fp8.fake_quant_activation;
     half: and a third item, the codes' values × 2^-8 in fp16 (half2.fp8_pairs), what
-    gemv_fp8's batch-1 kernel reads. slice_k: values a program quantizes (each program also
-    reads its row whole for the scale; None: the whole row, one 8-warp program per row). At batch 1 one program takes 8 us for a 4096-wide row, on the decode step's critical
-    path between gdn_decode and out_proj, 32 times a step (scripts/profile_step.py, BENCHMARKS.md
-    session 8); whether slices take that down inside the step is not measured yet."""
+    gemv_fp8's batch-1 kernel reads. slice_k: values a program quantizes, each program also
+    reading its row whole for the scale (K or more: one 8-warp program per row). None: slices of
+    256 on 2 warps at M = 1, one program per row above. At batch 1 the one-program kernel took
+    8 us for a 4096-wide row, on the decode step's critical path between gdn_decode and
+    out_proj 32 times a step (scripts/profile_step.py); on an H200, mixed plan, slices took the
+    step from 2.28-2.34 to 2.26 ms alone and, with add_rmsnorm's slices, to 2.20-2.21 ms
+    (BENCHMARKS.md, session 9). Above batch 1 the runtime quantizes in gdn_decode / attn_decode."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     h = torch.empty(m, k, dtype=torch.float16, device=x.device) if half else s
     pdl = use_pdl(x.device, None)
-    sl = k if slice_k is None else min(slice_k, k)
-    _quant_fp8_kernel[(m, triton.cdiv(k, sl))](x, q.view(torch.uint8), s, h, k, x.stride(0), sl,
-                                               BK=min(4096, triton.next_power_of_2(k)), HALF=half, PDL=pdl,
-                                               launch_pdl=pdl, num_warps=8 if slice_k is None else 4)
+    if slice_k is None:
+        slice_k = QUANT_SLICE_M1 if m == 1 else k
+    sl = min(slice_k, k)
+    bk = min(4096, triton.next_power_of_2(k))
+    warps = 8 if sl == k else (2 if sl <= 256 else 4)
+    _quant_fp8_kernel[(m, triton.cdiv(k, sl))](x, q.view(torch.uint8), s, h, k, x.stride(0), sl, BK=bk,
+                                               BS=min(bk, triton.next_power_of_2(sl)), HALF=half, PDL=pdl,
+                                               launch_pdl=pdl, num_warps=warps)
     return (q, s, h) if half else (q, s)
 
 

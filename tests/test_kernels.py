@@ -97,6 +97,51 @@ def test_gemv_nvfp4(m, n, k, split):
     assert torch.equal(col0, cols)
 
 
+@pytest.mark.parametrize("fmt,split", [("fp8", 3), ("nvfp4", 2), ("fp8", 1)])
+def test_gemv_partials_feed_add_rmsnorm(fmt, split):
+    """A batch-1 GEMV asked for partials returns its K splits unreduced (splitk.Partials); summed
+    in split order they are its output, and add_rmsnorm adds them up as it reads the residual,
+    giving what it gives for that output in bf16, byte for byte. Unsplit, the output is plain."""
+    from ocriaquant.quant import fp8, nvfp4
+    from ocriaquant.runtime.kernels import add_rmsnorm, gemv_fp8, gemv_fp8_ref, gemv_nvfp4, gemv_nvfp4_ref
+    from ocriaquant.runtime.partials import Partials
+
+    torch.manual_seed(split)
+    n, k = 160, 1024
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    if fmt == "fp8":
+        from ocriaquant.runtime.kernels import quant_fp8_per_token
+
+        x_q, x_s, half = quant_fp8_per_token(x, half=True)
+        w_q, w_s = fp8.quantize_weight(w)
+        run = lambda p: gemv_fp8(x_q, x_s, w_q, w_s, split_k=split, x_half=half, partials=p)  # noqa: E731
+        ref = gemv_fp8_ref(x_q, x_s, w_q, w_s)
+    else:
+        packed, scales, gs = nvfp4.quantize_weight(w)
+        run = lambda p: gemv_nvfp4(x, packed, scales, gs, split_k=split, partials=p)  # noqa: E731
+        ref = gemv_nvfp4_ref(x, packed, scales, gs)
+    out, parts = run(False), run(True)
+    if split == 1:
+        assert not isinstance(parts, Partials) and torch.equal(parts, out)
+        return
+    assert isinstance(parts, Partials) and parts.parts.shape[0] > 1 and parts.parts.shape[1:] == (1, n)
+    total = parts.parts[0].clone()
+    for p in parts.parts[1:]:
+        total += p
+    assert rel(total, ref) <= 1e-2
+    if DEV == "cuda":  # the interpreter's bf16 cast in the GEMV's own reduction truncates (rounding.py)
+        assert torch.equal(total.bfloat16(), out)
+    resid = (torch.randn(1, n, device=DEV) * 3).bfloat16()
+    nw = (torch.randn(n, device=DEV) * 0.1).bfloat16()
+    for quant in (None, "fp8", "nvfp4"):
+        for slice_d in (None, 4096):
+            got = add_rmsnorm(resid, parts, nw, 1e-6, quant, slice_d=slice_d)
+            want = add_rmsnorm(resid, total.bfloat16(), nw, 1e-6, quant, slice_d=slice_d)
+            flat = lambda o: [*o[:2], *(o[2] if len(o) > 2 else [])]  # noqa: E731
+            assert all(torch.equal(a.view(torch.uint8), c.view(torch.uint8)) for a, c in zip(flat(got), flat(want)))
+
+
 def nvfp4_pairs_values(words, scales):
     """NVFP4 activation pairs (half2.nvfp4_pairs: x · 2^(14 - e) in fp16, scales 2^e) back to
     values, in K order."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quant import fp8, nvfp4
+from .partials import Partials
 
 KINDS = ("bf16", "fp8", "nvfp4", "nvfp4_w4a4")
 
@@ -89,22 +90,25 @@ class QuantLinear(nn.Module):
         """The GEMV kernels take decode-sized BF16 rows (M <= 64); all else is torch."""
         return self.triton and x.ndim >= 2 and x.numel() // x.shape[-1] <= 64 and x.dtype == torch.bfloat16
 
-    def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """x_q: x already in the form this Linear's GEMV reads, written by the producer
         (add_rmsnorm, silu_mul_quant): for FP8 (E4M3, scale[, fp16 pairs at M = 1]), for NVFP4
         at M = 1 (words, block scales) (kernels/half2.py). The kernel path uses it instead of
-        converting x again; the torch path ignores it."""
+        converting x again; the torch path ignores it. partials: the caller hands the output to
+        add_rmsnorm, so a batch-1 GEMV that splits K may return its splits unreduced
+        (kernels.splitk.Partials; the decode step's residual producers)."""
         if self.uses_kernels(x):
-            return self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q).reshape(*x.shape[:-1], -1)
+            y = self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q, partials)
+            return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         return F.linear(x, self.weight)
 
-    def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
+    def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """Decode (M <= 64): FP8 through gemv_fp8 at every M; BF16 and NVFP4 through their
-        weight-streaming GEMVs at M = 1, cuBLAS above. `x_q`: see forward."""
+        weight-streaming GEMVs at M = 1, cuBLAS above. `x_q`, `partials`: see forward."""
         from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
 
         m = x.shape[0]
@@ -117,7 +121,7 @@ class QuantLinear(nn.Module):
         form = None if x_q is None else x_q[0].dtype
         if self.kind == "fp8":
             q, s, *half = x_q if form == torch.float8_e4m3fn else quant_fp8_per_token(x.contiguous(), half=m == 1)
-            return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, **tile)
+            return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, partials=partials, **tile)
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         if m > 1:  # BF16 and W4A16 above batch 1: cuBLAS on the dequantized weight was faster on the H200
@@ -125,7 +129,7 @@ class QuantLinear(nn.Module):
         if self.kind == "bf16":
             return gemv_bf16(x.contiguous(), self.weight, **tile)
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale,
-                          x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), **tile)
+                          x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), partials=partials, **tile)
 
     def _m1(self) -> tuple | None:
         if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls
@@ -142,15 +146,16 @@ class QuantLinear(nn.Module):
             self._m1_tile = m1_tile("nvfp4_silu", self.out_features, self.in_features)
         return gemv_nvfp4_silu(x_pairs, (self.w_m1, self.w_m1_scale), self.w_global_scale, **self._m1_tile)
 
-    def forward_pairs(self, x_pairs: tuple) -> torch.Tensor:
-        """Batch 1, NVFP4 (W4A16): y [1, N] from activations that arrive as pairs only."""
+    def forward_pairs(self, x_pairs: tuple, partials: bool = False):
+        """Batch 1, NVFP4 (W4A16): y [1, N] from activations that arrive as pairs only
+        (`partials`: see forward)."""
         from .kernels import gemv_nvfp4
         from .kernels.tiles import m1_tile
 
         if self._m1_tile is None:
             self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
         return gemv_nvfp4(None, self.w_packed, self.w_scale, self.w_global_scale, x_pairs=x_pairs, m1=self._m1(),
-                          **self._m1_tile)
+                          partials=partials, **self._m1_tile)
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":
@@ -238,7 +243,8 @@ class MLP(nn.Module):
     def input_linears(self) -> list:
         return [self.gate_up.linear] if self.gate_up is not None else [self.gate_proj, self.up_proj]
 
-    def forward(self, x: torch.Tensor, x_q: tuple | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
+        """partials: down_proj's output may come back unreduced (QuantLinear.forward)."""
         down = self.down_proj
         if self.gate_up is not None and self.gate_up.linear.m1_interleaved and x.numel() == x.shape[-1] and \
                 down.uses_kernels(x):  # batch 1: gate_up, silu·mul and down_proj's pairs in one launch
@@ -246,19 +252,19 @@ class MLP(nn.Module):
                 from .kernels.gemv_nvfp4 import nvfp4_x_pairs
 
                 x_q = nvfp4_x_pairs(x.reshape(1, -1).contiguous())
-            y = down.forward_pairs(self.gate_up.linear.forward_silu_pairs(x_q))
-            return y.reshape(*x.shape[:-1], -1)
+            y = down.forward_pairs(self.gate_up.linear.forward_silu_pairs(x_q), partials)
+            return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)
         gate, up = self.gate_up(x, x_q) if self.gate_up is not None else (self.gate_proj(x, x_q), self.up_proj(x, x_q))
         if down.uses_kernels(x):
             from .kernels import silu_mul_quant
 
             m1 = x.shape[0] == 1
             if down.kind == "fp8":  # silu·mul and the per-token FP8 quantization down_proj needs, in one pass
-                return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8", half=m1))
+                return down.forward_kernels(x, silu_mul_quant(gate, up, "fp8", half=m1), partials)
             if down.kind == "nvfp4" and m1:  # and the activation pairs its batch-1 GEMV reads
                 h, pairs = silu_mul_quant(gate, up, "bf16", pairs=True)
-                return down.forward_kernels(h, pairs)
-            return down.forward_kernels(silu_mul_quant(gate, up, "bf16"))
+                return down.forward_kernels(h, pairs, partials)
+            return down.forward_kernels(silu_mul_quant(gate, up, "bf16"), None, partials)
         return down(F.silu(gate) * up)
 
 
@@ -372,8 +378,9 @@ class GatedDeltaNet(nn.Module):
 
     triton = False  # set by RuntimeModel(backend="triton")
 
-    def decode(self, x: torch.Tensor, state: dict, step: Step, x_q: tuple | None = None) -> torch.Tensor:
-        """x [B, D], one token per slot -> [B, D]; the slots' states advance in place."""
+    def decode(self, x: torch.Tensor, state: dict, step: Step, x_q: tuple | None = None, partials: bool = False):
+        """x [B, D], one token per slot -> [B, D]; the slots' states advance in place. partials:
+        out_proj's output may come back unreduced (QuantLinear.forward; triton only)."""
         p = self._proj(x, x_q)
         if self.triton:
             from .kernels import gdn_decode
@@ -386,7 +393,7 @@ class GatedDeltaNet(nn.Module):
             o = gdn_decode(p["in_proj_qkv"], p["in_proj_z"], p["in_proj_a"], p["in_proj_b"], state["conv"],
                            self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, state["ssm"], step.slots32,
                            self.H, self.K, self.V, self.eps, quant="fp8" if fp8_out else None)
-            return self.out_proj(*o) if fp8_out else self.out_proj(o)
+            return self.out_proj(*o, partials=partials) if fp8_out else self.out_proj(o, partials=partials)
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         slots = step.slots
@@ -451,8 +458,9 @@ class Attention(nn.Module):
 
     triton = False  # set by RuntimeModel(backend="triton")
 
-    def decode(self, x, state, step: Step, x_q: tuple | None = None):
-        """x [B, D]: one token per slot at position lengths[b] of its cache. The torch path
+    def decode(self, x, state, step: Step, x_q: tuple | None = None, partials: bool = False):
+        """x [B, D]: one token per slot at position lengths[b] of its cache (partials: as
+        GatedDeltaNet.decode, for o_proj). The torch path
         gathers only the prefix any row can see (step.span); the triton path reads the cache in
         place (attn_decode), with no host sync, so the step can be a CUDA graph."""
         if self.triton:  # two kernels from q/k/v to the gated output (qk_norm_rope, attn_decode)
@@ -468,7 +476,8 @@ class Attention(nn.Module):
             fp8_out = self.o_proj.kind == "fp8" and self.o_proj.uses_kernels(x) and b > 1
             o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:],
                             quant="fp8" if fp8_out else None)
-            return self.o_proj(o[0].reshape(b, -1), o[1]) if fp8_out else self.o_proj(o.reshape(b, -1))
+            return self.o_proj(o[0].reshape(b, -1), o[1], partials) if fp8_out else \
+                self.o_proj(o.reshape(b, -1), partials=partials)
         q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]
         slots, lengths, span = step.slots, step.lengths, step.span
         state["k"][slots, :, lengths] = k[:, :, 0]

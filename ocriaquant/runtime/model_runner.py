@@ -202,13 +202,15 @@ class RuntimeModel(nn.Module):
         if self.backend == "triton":  # each residual add fused with the norm after it (and the form the next GEMVs read)
             from .kernels import add_rmsnorm
 
+            # h may be a batch-1 GEMV's split-K partial sums, which add_rmsnorm adds up (runtime/partials.py):
+            # H200, mixed plan, batch 1: 2.24-2.27 -> 2.21 ms a step (BENCHMARKS.md, session 9)
             h = None
             for layer, st, (mixer_q, mlp_q) in zip(self.layers, self.state, self._norm_quant):
                 x, n, *n_q = add_rmsnorm(x, h, layer.input_layernorm.weight, layer.input_layernorm.eps, mixer_q)
-                h = layer.mixer.decode(n, st, step, *n_q)
+                h = layer.mixer.decode(n, st, step, *n_q, partials=True)
                 x, n, *n_q = add_rmsnorm(x, h, layer.post_attention_layernorm.weight,
                                          layer.post_attention_layernorm.eps, mlp_q)
-                h = layer.mlp(n, *n_q)
+                h = layer.mlp(n, *n_q, partials=True)
             _, n, *n_q = add_rmsnorm(x, h, self.norm.weight, self.norm.eps, self._head_quant)
             return self.lm_head(n, *n_q)
         for layer, st in zip(self.layers, self.state):

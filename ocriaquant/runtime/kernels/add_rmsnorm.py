@@ -16,19 +16,28 @@ import triton.language as tl
 
 from .half2 import fp8_pairs, store_nvfp4_pairs
 from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import start_after_producer, use_pdl
+from .splitk import Partials, start_after_producer, use_pdl
 
 
 NORM_SLICE_B1 = 512  # columns per program at batch 1 (add_rmsnorm's slice_d)
 
 
 @triton.jit
-def _residual(x_ptr, h_ptr, rd, m, HAS_H: tl.constexpr, INTERPRET: tl.constexpr):
+def _residual(x_ptr, h_ptr, stride_hp, rd, m, HAS_H: tl.constexpr, PARTS: tl.constexpr, INTERPRET: tl.constexpr):
     """r = x + h at columns rd, rounded to bf16 as torch's bf16 add rounds it (the interpreter's
-    own cast truncates, see rounding.py), in fp32; x alone without h."""
+    own cast truncates, see rounding.py), in fp32; x alone without h. PARTS > 0: h is a GEMV's
+    unreduced split-K output (splitk.Partials), PARTS fp32 rows stride_hp apart, summed in split
+    order and rounded to bf16 as store_or_reduce would have stored it."""
     r = tl.load(x_ptr + rd, mask=m, other=0.0).to(tl.float32)
     if HAS_H:
-        r = r + tl.load(h_ptr + rd, mask=m, other=0.0).to(tl.float32)
+        if PARTS > 0:
+            h = tl.load(h_ptr + rd, mask=m, other=0.0)
+            for p in tl.static_range(1, PARTS):
+                h += tl.load(h_ptr + p * stride_hp + rd, mask=m, other=0.0)
+            h = round_bf16(h)
+        else:
+            h = tl.load(h_ptr + rd, mask=m, other=0.0).to(tl.float32)
+        r = r + h
         r = round_bf16(r) if INTERPRET else r.to(tl.bfloat16).to(tl.float32)
     return r
 
@@ -40,9 +49,9 @@ def _normed(r, rstd, w_ptr, rd, m):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, D, eps, stride_x, stride_h, stride_r,
-                        stride_y, HAS_H: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                        INTERPRET: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, D, eps, stride_x, stride_h, stride_hp,
+                        stride_r, stride_y, HAS_H: tl.constexpr, PARTS: tl.constexpr, QUANT: tl.constexpr,
+                        BD: tl.constexpr, BS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     """Program (row, slice): the row's statistics from the whole row (its sum of squares and,
     for FP8, its absmax), then r, y and y's quantized form for the slice's BS columns only.
     QUANT: 0 none; 1 FP8 codes (q) and scale (s); 2 those and their fp16 pairs (p); 3 NVFP4
@@ -53,7 +62,7 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
     x_row, h_row = x_ptr + row * stride_x, h_ptr + row * stride_h
     rd = tl.arange(0, BD)
     m = rd < D
-    r = _residual(x_row, h_row, rd, m, HAS_H, INTERPRET)
+    r = _residual(x_row, h_row, stride_hp, rd, m, HAS_H, PARTS, INTERPRET)
     rstd = tl.rsqrt(tl.sum(r * r, 0) / D + eps)
     if BS == BD:  # one program per row: the slice is the row, already in registers
         rs, ms = rd, m
@@ -65,7 +74,7 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
             scale = fp8_token_scale(tl.max(tl.abs(_normed(r, rstd, w_ptr, rd, m)), 0))
         rs = start + tl.arange(0, BS)
         ms = rs < D
-        r = _residual(x_row, h_row, rs, ms, HAS_H, INTERPRET)
+        r = _residual(x_row, h_row, stride_hp, rs, ms, HAS_H, PARTS, INTERPRET)
         y = _normed(r, rstd, w_ptr, rs, ms)
     if HAS_H:
         tl.store(r_ptr + row * stride_r + rs, r.to(r_ptr.dtype.element_ty), mask=ms)
@@ -81,9 +90,10 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
         store_nvfp4_pairs(y, q_ptr + row * (D // 2), s_ptr + row * (D // 16), start, D)
 
 
-def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torch.Tensor, eps: float,
                 quant: str | None = None, slice_d: int | None = None):
-    """x, h bf16 [B, D] (h None: norm only), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
+    """x, h bf16 [B, D] (h None: norm only; or splitk.Partials [S, B, D], a GEMV's split-K output
+    still unreduced, added up here), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
     None r is x itself. y is also written in the form the next GEMV reads, as a third item:
     - quant="fp8": (E4M3 [B, D], fp32 scale [B, 1]) — quant_fp8_per_token(y) without its launch
       — and at B = 1 the codes' fp16 pairs [1, D] for gemv_fp8's batch-1 kernel;
@@ -105,7 +115,17 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
     b, d = x.shape
     y = torch.empty_like(x)
     r = torch.empty_like(x) if h is not None else x
-    hh = h if h is not None else x
+    parts = 0
+    if isinstance(h, Partials):
+        hh = h.parts
+        parts = hh.shape[0]
+        if hh.dtype != torch.float32 or hh.shape[1:] != x.shape or not hh.is_contiguous():
+            raise ValueError(f"add_rmsnorm: partials must be contiguous fp32 [S, {b}, {d}], got {hh.dtype} "
+                             f"{tuple(hh.shape)}")
+    else:
+        hh = h if h is not None else x
+    hp_stride = hh.stride(0) if parts else 0
+    h_stride = hh.stride(1) if parts else hh.stride(0)
     code, extra = 0, None
     q = s = p = y
     if quant == "fp8":
@@ -125,15 +145,21 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
     if slice_d is None:
         slice_d = NORM_SLICE_B1 if b == 1 else bd
     bs = max(16, min(triton.next_power_of_2(slice_d), bd))
-    _add_rmsnorm_kernel[(b, triton.cdiv(d, bs))](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), hh.stride(0),
-                                                 r.stride(0), y.stride(0), HAS_H=h is not None, QUANT=code, BD=bd,
-                                                 BS=bs, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+    _add_rmsnorm_kernel[(b, triton.cdiv(d, bs))](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), h_stride,
+                                                 hp_stride, r.stride(0), y.stride(0), HAS_H=h is not None,
+                                                 PARTS=parts, QUANT=code, BD=bd, BS=bs,
+                                                 INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                                                  num_warps=8 if bs == bd and d > 2048 else 4, PDL=pdl, launch_pdl=pdl)
     return (r, y) if extra is None else (r, y, extra)
 
 
-def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torch.Tensor, eps: float):
     """The torch ops the runtime's torch backend runs (layers.RMSNorm after a bf16 add)."""
+    if isinstance(h, Partials):  # the bf16 output the GEMV's own reduction would have written: in split order
+        total = h.parts[0].clone()
+        for part in h.parts[1:]:
+            total += part
+        h = total.to(x.dtype)
     r = x + h if h is not None else x
     t = r.float()
     t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)

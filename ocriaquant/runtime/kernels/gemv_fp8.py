@@ -19,7 +19,8 @@ from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs
 from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import launch_plan, split_tile, start_after_producer, store_or_reduce, use_pdl, wait_for_inputs
+from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_or_reduce,
+                     store_partial, use_pdl, wait_for_inputs)
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
 @triton.jit
 def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, PARTIALS: tl.constexpr):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -61,33 +62,42 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
-        y = round_bf16(y)
-    store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+    if PARTIALS:  # the consumer adds the splits (splitk.Partials)
+        store_partial(y, ws_ptr, pid_n, pid_k, N, BN)
+    else:
+        if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
+            y = round_bf16(y)
+        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
 
 
-def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half):
+def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half,
+                 partials=False):
     n, k = w_q.shape
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x_q.device, split_k, out)
+    partials = partials and grid[1] > 1
     pdl = use_pdl(x_q.device, pdl)
     if x_half is None:  # E4M3 -> fp16 is exact, and so is the power of two
         x_half = x_q.to(torch.float16) * 0.00390625
     _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(), w_q.view(torch.int32),
                               w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
                               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                              num_warps=num_warps, num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
-    return out
+                              num_warps=num_warps, num_stages=num_stages, PDL=pdl, PARTIALS=partials,
+                              launch_pdl=pdl)
+    return partials_view(ws, grid[1], n) if partials else out
 
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
              split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-             path: str = "auto", pdl: bool | None = None, x_half: torch.Tensor | None = None) -> torch.Tensor:
+             path: str = "auto", pdl: bool | None = None, x_half: torch.Tensor | None = None,
+             partials: bool = False) -> torch.Tensor | Partials:
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
     path: "half2" (M = 1, paired fp16 on CUDA cores), "fma" (M = 1, fp32 on CUDA cores:
     gemv_m1.py), "dot" (tensor cores), "auto" (half2 at M = 1 where K and the rows allow).
     x_half: fp16 [1, K], x_q's values × 2^-8 (half2.fp8_pairs), already written by the
-    producer, for the half2 path (None: converted here, one more launch)."""
+    producer, for the half2 path (None: converted here, one more launch). partials: on the half2
+    path, when K is split, return the splits' fp32 sums unreduced (splitk.Partials, for
+    add_rmsnorm) instead of the bf16 output."""
     m, k = x_q.shape
     if w_q.shape[1] != k:
         raise ValueError(f"gemv_fp8: x has K={k} but the weight is {tuple(w_q.shape)}")
@@ -99,7 +109,7 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
             raise ValueError(f"gemv_fp8: the half2 path is for M = 1 and K a multiple of 16 with aligned rows, "
                              f"got M={m}, w {tuple(w_q.shape)}")
         return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl,
-                            x_half)
+                            x_half, partials)
     if path == "fma" or (path == "auto" and m == 1):
         return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
                        num_warps=num_warps, num_stages=num_stages, pdl=pdl)

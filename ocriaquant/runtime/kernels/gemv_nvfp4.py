@@ -32,7 +32,8 @@ import triton.language as tl
 from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
+from .splitk import (Partials, launch_plan, partials_view, split_tile, store_or_reduce, store_partial, use_pdl,
+                     wait_for_inputs)
 
 
 @triton.jit
@@ -100,7 +101,7 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                          SILU: tl.constexpr):
+                          SILU: tl.constexpr, PARTIALS: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -145,6 +146,8 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         g, u = tl.split(gu)
         h = tl.reshape(silu_mul_values(g, u), (BN // 2,))
         store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
+    elif PARTIALS:  # the consumer adds the splits (splitk.Partials)
+        store_partial(y, ws_ptr, pid_n, pid_k, N, BN)
     else:
         if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
             y = round_bf16(y)
@@ -223,7 +226,7 @@ def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = Fa
 
 
 def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx, pdl,
-               device, out=None, silu_out=None):
+               device, out=None, silu_out=None, partials=False):
     words, scales = m1
     if words.shape != (n, k // 8) or scales.shape != (n, k // 16):
         raise ValueError(f"gemv_nvfp4: batch-1 weight words {tuple(words.shape)} / scales {tuple(scales.shape)} "
@@ -232,13 +235,14 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, device, split_k,
                                                 out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16))
     pdl = use_pdl(device, pdl)
+    partials = partials and silu_out is None and grid[1] > 1
     hw, hs = silu_out if silu_out is not None else (out, out)
     _gemv_nvfp4_m1_kernel[grid](xw, xs, words, scales.view(torch.uint8), scales, w_global_scale.reshape(1).float(),
                                 out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0), k_per, BN=block_n,
                                 NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                                 INTERPRET=interp, PTX=ptx and not interp, PDL=pdl, SILU=silu_out is not None,
-                                launch_pdl=pdl)
-    return out
+                                PARTIALS=partials, launch_pdl=pdl)
+    return partials_view(ws, grid[1], n) if partials else out
 
 
 def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Tensor, w_global_scale: torch.Tensor,
@@ -246,13 +250,14 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                path: str = "auto", ptx: bool = True, pdl: bool | None = None,
                x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
-               m1: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False) -> torch.Tensor | Partials:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
     ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops).
     x_pairs: x as nvfp4_x_pairs gives it, already written by the producer (M = 1 path only;
     None: made here, one more launch; x may then be None). m1: the weight as pack_m1 gives it,
-    made once at load (M = 1 path; None: packed here, for tests and one-off calls)."""
+    made once at load (M = 1 path; None: packed here, for tests and one-off calls). partials: on
+    the M = 1 path, when K is split, the splits' fp32 sums unreduced (splitk.Partials)."""
     n = w_packed.shape[0]
     m, k = (1, w_packed.shape[1] * 2) if x is None else x.shape
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
@@ -267,7 +272,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
         xw, xs = x_pairs if x_pairs is not None else nvfp4_x_pairs(x.contiguous())
         m1 = pack_m1(w_packed, w_scale) if m1 is None else m1
         return _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx,
-                          pdl, device, out=out)
+                          pdl, device, out=out, partials=partials)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..partials import Partials
+
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -103,6 +105,19 @@ def wait_for_inputs(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def store_partial(y, ws_ptr, pid_n, pid_k, N, BN: tl.constexpr):
+    """Batch 1, Partials: this CTA's fp32 partial y [BN] at row pid_k of the workspace (the
+    place store_or_reduce puts it), and nothing else."""
+    rn = pid_n * BN + tl.arange(0, BN)
+    tl.store(ws_ptr + pid_k * N + rn, y, mask=rn < N)
+
+
+def partials_view(ws: torch.Tensor, splits: int, n: int) -> Partials:
+    """The parts store_partial wrote, as Partials [splits, 1, N]."""
+    return Partials(ws.view(-1)[:splits * n].view(splits, 1, n))
 
 
 @triton.jit

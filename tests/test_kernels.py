@@ -99,7 +99,7 @@ def test_gemv_nvfp4(m, n, k, split):
 
 @pytest.mark.parametrize("fmt,split", [("fp8", 3), ("nvfp4", 2), ("fp8", 1)])
 def test_gemv_partials_feed_add_rmsnorm(fmt, split):
-    """A batch-1 GEMV asked for partials returns its K splits unreduced (splitk.Partials); summed
+    """A batch-1 GEMV asked for partials returns its K splits unreduced (partials.Partials); summed
     in split order they are its output, and add_rmsnorm adds them up as it reads the residual,
     giving what it gives for that output in bf16, byte for byte. Unsplit, the output is plain."""
     from ocriaquant.quant import fp8, nvfp4

@@ -96,7 +96,7 @@ class QuantLinear(nn.Module):
         at M = 1 (words, block scales) (kernels/half2.py). The kernel path uses it instead of
         converting x again; the torch path ignores it. partials: the caller hands the output to
         add_rmsnorm, so a batch-1 GEMV that splits K may return its splits unreduced
-        (kernels.splitk.Partials; the decode step's residual producers)."""
+        (runtime/partials.py; the decode step's residual producers)."""
         if self.uses_kernels(x):
             y = self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q, partials)
             return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)

@@ -26,7 +26,7 @@ NORM_SLICE_B1 = 512  # columns per program at batch 1 (add_rmsnorm's slice_d)
 def _residual(x_ptr, h_ptr, stride_hp, rd, m, HAS_H: tl.constexpr, PARTS: tl.constexpr, INTERPRET: tl.constexpr):
     """r = x + h at columns rd, rounded to bf16 as torch's bf16 add rounds it (the interpreter's
     own cast truncates, see rounding.py), in fp32; x alone without h. PARTS > 0: h is a GEMV's
-    unreduced split-K output (splitk.Partials), PARTS fp32 rows stride_hp apart, summed in split
+    unreduced split-K output (partials.Partials), PARTS fp32 rows stride_hp apart, summed in split
     order and rounded to bf16 as store_or_reduce would have stored it."""
     r = tl.load(x_ptr + rd, mask=m, other=0.0).to(tl.float32)
     if HAS_H:
@@ -92,7 +92,7 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
 
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torch.Tensor, eps: float,
                 quant: str | None = None, slice_d: int | None = None):
-    """x, h bf16 [B, D] (h None: norm only; or splitk.Partials [S, B, D], a GEMV's split-K output
+    """x, h bf16 [B, D] (h None: norm only; or partials.Partials [S, B, D], a GEMV's split-K output
     still unreduced, added up here), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
     None r is x itself. y is also written in the form the next GEMV reads, as a third item:
     - quant="fp8": (E4M3 [B, D], fp32 scale [B, 1]) — quant_fp8_per_token(y) without its launch

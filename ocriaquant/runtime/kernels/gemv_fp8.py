@@ -62,7 +62,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    if PARTIALS:  # the consumer adds the splits (splitk.Partials)
+    if PARTIALS:  # the consumer adds the splits (partials.Partials)
         store_partial(y, ws_ptr, pid_n, pid_k, N, BN)
     else:
         if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
@@ -96,7 +96,7 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     gemv_m1.py), "dot" (tensor cores), "auto" (half2 at M = 1 where K and the rows allow).
     x_half: fp16 [1, K], x_q's values × 2^-8 (half2.fp8_pairs), already written by the
     producer, for the half2 path (None: converted here, one more launch). partials: on the half2
-    path, when K is split, return the splits' fp32 sums unreduced (splitk.Partials, for
+    path, when K is split, return the splits' fp32 sums unreduced (partials.Partials, for
     add_rmsnorm) instead of the bf16 output."""
     m, k = x_q.shape
     if w_q.shape[1] != k:

@@ -146,7 +146,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         g, u = tl.split(gu)
         h = tl.reshape(silu_mul_values(g, u), (BN // 2,))
         store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
-    elif PARTIALS:  # the consumer adds the splits (splitk.Partials)
+    elif PARTIALS:  # the consumer adds the splits (partials.Partials)
         store_partial(y, ws_ptr, pid_n, pid_k, N, BN)
     else:
         if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
@@ -257,7 +257,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
     x_pairs: x as nvfp4_x_pairs gives it, already written by the producer (M = 1 path only;
     None: made here, one more launch; x may then be None). m1: the weight as pack_m1 gives it,
     made once at load (M = 1 path; None: packed here, for tests and one-off calls). partials: on
-    the M = 1 path, when K is split, the splits' fp32 sums unreduced (splitk.Partials)."""
+    the M = 1 path, when K is split, the splits' fp32 sums unreduced (partials.Partials)."""
     n = w_packed.shape[0]
     m, k = (1, w_packed.shape[1] * 2) if x is None else x.shape
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):

@@ -18,9 +18,9 @@ import triton.language as tl
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs
-from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_or_reduce,
-                     store_partial, use_pdl, wait_for_inputs)
+from .rounding import fp8_token_codes, fp8_token_scale
+from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
+                     wait_for_inputs)
 
 
 @triton.jit
@@ -62,12 +62,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    if PARTIALS:  # the consumer adds the splits (partials.Partials)
-        store_partial(y, ws_ptr, pid_n, pid_k, N, BN)
-    else:
-        if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
-            y = round_bf16(y)
-        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 
 
 def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half,

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import e4m3_value, round_bf16
-from .splitk import launch_plan, split_tile, store_or_reduce, use_pdl, wait_for_inputs
+from .rounding import e4m3_value
+from .splitk import launch_plan, split_tile, store_row, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -58,9 +58,7 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
     y = tl.sum(acc, 1)
     if FP8:
         y = y * tl.load(xs_ptr) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
-        y = round_bf16(y)
-    store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, False, INTERPRET)
 
 
 def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,

@@ -32,7 +32,7 @@ import triton.language as tl
 from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (Partials, launch_plan, partials_view, split_tile, store_or_reduce, store_partial, use_pdl,
+from .splitk import (Partials, launch_plan, partials_view, split_tile, store_or_reduce, store_row, use_pdl,
                      wait_for_inputs)
 
 
@@ -146,12 +146,8 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         g, u = tl.split(gu)
         h = tl.reshape(silu_mul_values(g, u), (BN // 2,))
         store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
-    elif PARTIALS:  # the consumer adds the splits (partials.Partials)
-        store_partial(y, ws_ptr, pid_n, pid_k, N, BN)
     else:
-        if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
-            y = round_bf16(y)
-        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 
 
 @triton.jit

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..partials import Partials
+from .rounding import round_bf16
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -108,15 +109,22 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
-def store_partial(y, ws_ptr, pid_n, pid_k, N, BN: tl.constexpr):
-    """Batch 1, Partials: this CTA's fp32 partial y [BN] at row pid_k of the workspace (the
-    place store_or_reduce puts it), and nothing else."""
-    rn = pid_n * BN + tl.arange(0, BN)
-    tl.store(ws_ptr + pid_k * N + rn, y, mask=rn < N)
+def store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+              PARTIALS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The batch-1 GEMVs' epilogue for this CTA's fp32 outputs y [BN]: with PARTIALS only its
+    split's partial, at row pid_k of the workspace (where store_or_reduce puts it; the consumer
+    adds the splits, runtime/partials.py); else store_or_reduce's bf16 row."""
+    if PARTIALS:
+        rn = pid_n * BN + tl.arange(0, BN)
+        tl.store(ws_ptr + pid_k * N + rn, y, mask=rn < N)
+    else:
+        if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
+            y = round_bf16(y)
+        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
 
 
 def partials_view(ws: torch.Tensor, splits: int, n: int) -> Partials:
-    """The parts store_partial wrote, as Partials [splits, 1, N]."""
+    """The parts store_row wrote with PARTIALS, as Partials [splits, 1, N]."""
     return Partials(ws.view(-1)[:splits * n].view(splits, 1, n))
 
 

@@ -72,7 +72,8 @@ def test_gemv_fp8(m, n, k, split):
         gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (7, 32, 768, 2), (20, 16, 1024, 1)])
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (1, 40, 640, 2), (7, 32, 768, 2),
+                                         (20, 16, 1024, 1)])
 def test_gemv_nvfp4(m, n, k, split):
     from ocriaquant.quant import nvfp4
     from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref

@@ -78,12 +78,18 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
 
 @triton.jit
 def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_end, BN: tl.constexpr,
-               NB: tl.constexpr, INTERPRET: tl.constexpr):
+               NB: tl.constexpr, INTERPRET: tl.constexpr, WHOLE: tl.constexpr):
     """Blocks b0 … b0+NB-1 (masked at b_end) of rows rn: each block's two words, as one
-    [BN, 2·NB] load (16-byte loads) split in registers, and the block scales (E4M3 codes under
-    the interpreter, whose E4M3 conversion is unreliable: rounding.py)."""
+    [BN, 2·NB] load split in registers, and the block scales (E4M3 codes under the interpreter,
+    whose E4M3 conversion is unreliable: rounding.py). WHOLE: the split's K range is whole tiles,
+    so a tile is in or out as one; a mask constant along K (and a 16-block-aligned start) lets
+    each thread load 16 bytes where a per-block mask allowed 8: half the weight loads, the same
+    SASS loop length otherwise (BENCHMARKS.md, session 10)."""
     kb = b0 + tl.arange(0, NB)
-    wmask = nmask[:, None] & (kb < b_end)[None, :]
+    if WHOLE:  # a block, not a scalar compare: the interpreter rejects scalar masks
+        wmask = nmask[:, None] & (kb * 0 + b0 < b_end)[None, :]
+    else:
+        wmask = nmask[:, None] & (kb < b_end)[None, :]
     rw = tl.arange(0, 2 * NB)
     v = tl.load(w_ptr + rn[:, None] * stride_wn + 2 * b0 + rw[None, :],
                 mask=tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NB, 2)), (BN, 2 * NB)), other=0,
@@ -101,7 +107,7 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                          SILU: tl.constexpr, PARTIALS: tl.constexpr):
+                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr = False):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -120,15 +126,17 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
     waiting on the kernel that wrote the activations."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     b_first = k_start // 16
+    if WHOLE:  # splits start on a whole K-tile: 16-byte weight loads (see _load_tile)
+        b_first = tl.multiple_of(b_first, 16)
     b_end = k_end // 16
     v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
-                           INTERPRET)
+                           INTERPRET, WHOLE)
     wait_for_inputs(PDL)
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for b0 in range(b_first, b_end, NB):
         n0, n1, ns = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0 + NB, b_end, BN, NB,
-                                INTERPRET)  # the next tile (masked off after the last)
+                                INTERPRET, WHOLE)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
         p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
@@ -237,7 +245,7 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                                 out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0), k_per, BN=block_n,
                                 NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                                 INTERPRET=interp, PTX=ptx and not interp, PDL=pdl, SILU=silu_out is not None,
-                                PARTIALS=partials, launch_pdl=pdl)
+                                PARTIALS=partials, WHOLE=k % block_k == 0, launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

@@ -1,6 +1,7 @@
 """Check and time ocriaquant's decode kernels at Qwen3.5-4B shapes beside their baselines, in one run.
 
-    python scripts/bench_kernels.py --out bench_kernels.json --table latency_h200.json
+    python scripts/bench_kernels.py --out bench_kernels.json
+    python scripts/bench_kernels.py --only table --table recipes/latency_h200.json
 
 - gemv_bf16 / gemv_fp8 / gemv_nvfp4 against cuBLAS BF16 (F.linear) and torch._scaled_mm (FP8,
   row-wise scales), M = 1…64, on the 4B's fused and member shapes;
@@ -11,9 +12,13 @@
 Every kernel is first checked against its float64 reference on fresh random inputs with a
 NaN-poisoned output. Times are medians of CUDA-graph replays, each replay cycling over enough
 weight copies that nothing is served from L2. Achieved bandwidth is reported against the
-device-to-device copy bandwidth measured in the same run. The latency table (what `ocriaquant
-search --latency-table` reads) takes, per shape, format and batch, what our runtime would run:
-our GEMV kernels for every format.
+device-to-device copy bandwidth measured in the same run.
+
+The latency table (what `ocriaquant search --latency-table` reads) times, per shape, format and
+batch, what the runtime's QuantLinear launches (`--only table`, no tile sweep, about a minute):
+at batch 1 the GEMV kernels at the tiles kernels/tiles.py gives them, with PDL as the runtime
+launches them; above batch 1 gemv_fp8 for FP8 and cuBLAS on the BF16 (or dequantized NVFP4)
+weight. The sweep's best tiles (`--only gemv`) are what tiles.py is tuned from, not what runs.
 """
 
 from __future__ import annotations
@@ -77,8 +82,8 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(16, (4 * L2_BYTES) // max(1, nbytes) + 1))
 
 
-def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]:
-    rows, table = [], []
+def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> list:
+    rows = []
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
         w_q, w_s = fp8.quantize_weight(w)
@@ -190,11 +195,57 @@ def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> tuple[list, list]
                 f"{t['bf16 ours']:8.1f}us ({row['bf16 ours %bw']:5.1f}%)  fp8 "
                 f"{t['fp8 ours']:8.1f}us ({row['fp8 %bw']:5.1f}%)  _scaled_mm {t['fp8 _scaled_mm']:8.1f}us  nvfp4 "
                 f"{t['nvfp4 ours']:8.1f}us ({row['nvfp4 %bw']:5.1f}%)")
-            for fmt, key in (("bf16", "bf16 ours"), ("fp8", "fp8 ours"), ("nvfp4", "nvfp4 ours")):
-                table.append({"n": n, "k": k, "format": fmt, "batch": m, "us": round(t[key], 3)})
         del W, WQ, WP
         torch.cuda.empty_cache()
-    return rows, table
+    return rows
+
+
+def runtime_table(shapes: dict, ms: list[int], log) -> list:
+    """Per (N, K, format, batch): µs of what layers.QuantLinear.forward_kernels launches (see the
+    module docstring), each output checked against its float64 reference first."""
+    table = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        w_q, w_s = fp8.quantize_weight(w)
+        packed, scales, gs = nvfp4.quantize_weight(w)
+        w_nv = nvfp4.dequantize(packed, scales, gs, torch.bfloat16)  # what the runtime runs above batch 1
+        nc = copies_for(n * k * 2)
+        W = [w] + [w.clone() for _ in range(nc - 1)]
+        WN = [w_nv] + [w_nv.clone() for _ in range(nc - 1)]
+        WQ = [(w_q, w_s)] + [(w_q.clone(), w_s.clone()) for _ in range(nc - 1)]
+        m1 = pack_m1(packed, scales)
+        WP = [(packed, scales, m1)] + [(packed.clone(), scales.clone(), tuple(t.clone() for t in m1))
+                                       for _ in range(nc - 1)]
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            x_q, x_s, *half = quant_fp8_per_token(x, half=m == 1)
+            outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
+            if m == 1:
+                pairs = nvfp4_x_pairs(x)
+                fns = {"bf16": lambda i: gemv_bf16(x, W[i], out=outs[i], **m1_tile("bf16", n, k)),
+                       "fp8": lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half[0], **m1_tile("fp8", n, k)),
+                       "nvfp4": lambda i: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs,
+                                                     m1=WP[i][2], **m1_tile("nvfp4", n, k))}
+            else:
+                fns = {"bf16": lambda i: torch.mm(x, W[i].T, out=outs[i]),
+                       "fp8": lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i]),
+                       "nvfp4": lambda i: torch.mm(x, WN[i].T, out=outs[i])}
+            refs = {"bf16": gemv_bf16_ref(x, w), "fp8": gemv_fp8_ref(x_q, x_s, w_q, w_s),
+                    "nvfp4": gemv_nvfp4_ref(x, packed, scales, gs)}
+            line = []
+            for fmt, fn in fns.items():
+                outs[0].fill_(float("nan"))
+                fn(0)
+                err = rel(outs[0], refs[fmt])
+                if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
+                    raise SystemExit(f"{fmt} at {name} M={m} as the runtime runs it: rel err {err:.2e}")
+                us = graph_time_us([lambda i=i, fn=fn: fn(i) for i in range(nc)])
+                table.append({"n": n, "k": k, "format": fmt, "batch": m, "us": round(us, 3)})
+                line.append(f"{fmt} {us:7.1f}us")
+            log(f"{name:28s} M={m:<3d} " + "  ".join(line))
+        del W, WN, WQ, WP
+        torch.cuda.empty_cache()
+    return table
 
 
 def unfused_silu_mul_fp8(gate, up):
@@ -361,9 +412,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_kernels.json"))
     ap.add_argument("--table", type=Path, default=Path("latency_h200.json"))
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--only", default="gemv,silu,gdn")
+    ap.add_argument("--only", default="gemv,silu,gdn",
+                    help="comma-separated: gemv (kernels against baselines, tiles swept), silu, gdn, "
+                         "table (the latency table of what the runtime launches, written to --table)")
     ap.add_argument("--shapes", default="all", choices=("all", "fused"),
-                    help="GEMV shapes: the fused units and their members (the latency table needs both), or fused only")
+                    help="GEMV shapes for --only gemv: the fused units and their members, or fused only")
     args = ap.parse_args()
     torch.manual_seed(0)
     only = set(args.only.split(","))
@@ -385,12 +438,16 @@ def main() -> None:
         result["gdn_decode"] = bench_gdn(bw, log)
     if "gemv" in only:
         ms = [int(v) for v in args.batches.split(",")]
-        rows, table = bench_gemv({**FUSED, **MEMBERS} if args.shapes == "all" else FUSED, ms, bw, log)
+        rows = bench_gemv({**FUSED, **MEMBERS} if args.shapes == "all" else FUSED, ms, bw, log)
         result["gemv"] = rows
-        args.table.write_text(json.dumps({"gpu": gpu, "date": result["date"], "source": "scripts/bench_kernels.py",
-                                          "entries": table}, indent=1))
+    if "table" in only:  # the fused units and their members: search looks both up
+        table = runtime_table({**FUSED, **MEMBERS}, [int(v) for v in args.batches.split(",")], log)
+        result["table"] = table
+        args.table.write_text(json.dumps({"gpu": gpu, "date": result["date"], "copy_tb_s": result["copy_tb_s"],
+                                          "source": "scripts/bench_kernels.py --only table (what the runtime "
+                                                    "launches)", "entries": table}, indent=1))
     args.out.write_text(json.dumps(result, indent=1))
-    log(f"wrote {args.out}" + (f" and {args.table}" if "gemv" in only else ""))
+    log(f"wrote {args.out}" + (f" and {args.table}" if "table" in only else ""))
 
 
 if __name__ == "__main__":

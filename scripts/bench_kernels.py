@@ -82,19 +82,29 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(16, (4 * L2_BYTES) // max(1, nbytes) + 1))
 
 
+def weight_copies(n: int, k: int) -> tuple[list, list, list, torch.Tensor]:
+    """A random BF16 weight [N, K] in each format, each in enough copies that graph replays
+    cycling over them read DRAM, not L2: (BF16 weights, FP8 (codes, scales), NVFP4 (packed,
+    scales, pack_m1's batch-1 words, made once as the runtime does at load), NVFP4 global scale).
+    Copy 0 of each is the original."""
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    w_q, w_s = fp8.quantize_weight(w)
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    m1 = pack_m1(packed, scales)
+    nc = copies_for(n * k * 2)
+    W = [w] + [w.clone() for _ in range(nc - 1)]
+    WQ = [(w_q, w_s)] + [(w_q.clone(), w_s.clone()) for _ in range(nc - 1)]
+    WP = [(packed, scales, m1)] + [(packed.clone(), scales.clone(), tuple(t.clone() for t in m1))
+                                   for _ in range(nc - 1)]
+    return W, WQ, WP, gs
+
+
 def bench_gemv(shapes: dict, ms: list[int], bw: float, log) -> list:
     rows = []
     for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-        w_q, w_s = fp8.quantize_weight(w)
-        packed, scales, gs = nvfp4.quantize_weight(w)
-        nc = copies_for(n * k * 2)
-        W = [w] + [w.clone() for _ in range(nc - 1)]
-        WQ = [(w_q, w_s)] + [(w_q.clone(), w_s.clone()) for _ in range(nc - 1)]
-        # with the batch-1 kernel's words (pack_m1), made once as the runtime does at load
-        WP = [(packed, scales, pack_m1(packed, scales))]
-        WP += [(packed.clone(), scales.clone(), tuple(t.clone() for t in WP[0][2])) for _ in range(nc - 1)]
-        del w
+        W, WQ, WP, gs = weight_copies(n, k)
+        nc = len(W)
+        (w_q, w_s), (packed, scales, _) = WQ[0], WP[0]
         best_cfg = {}
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -205,17 +215,11 @@ def runtime_table(shapes: dict, ms: list[int], log) -> list:
     module docstring), each output checked against its float64 reference first."""
     table = []
     for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-        w_q, w_s = fp8.quantize_weight(w)
-        packed, scales, gs = nvfp4.quantize_weight(w)
+        W, WQ, WP, gs = weight_copies(n, k)
+        nc, w = len(W), W[0]
+        (w_q, w_s), (packed, scales, _) = WQ[0], WP[0]
         w_nv = nvfp4.dequantize(packed, scales, gs, torch.bfloat16)  # what the runtime runs above batch 1
-        nc = copies_for(n * k * 2)
-        W = [w] + [w.clone() for _ in range(nc - 1)]
         WN = [w_nv] + [w_nv.clone() for _ in range(nc - 1)]
-        WQ = [(w_q, w_s)] + [(w_q.clone(), w_s.clone()) for _ in range(nc - 1)]
-        m1 = pack_m1(packed, scales)
-        WP = [(packed, scales, m1)] + [(packed.clone(), scales.clone(), tuple(t.clone() for t in m1))
-                                       for _ in range(nc - 1)]
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             x_q, x_s, *half = quant_fp8_per_token(x, half=m == 1)

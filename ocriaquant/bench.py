@@ -2,7 +2,8 @@
 `generate` on the same weights and beside the roofline, all measured in one run.
 
 - decode tok/s at each batch: every row at `context` tokens of (synthetic) cache, greedy, the
-  host loop included (lists in, argmax out) — what the engine pays per step;
+  host loop included as the engine runs it (each step launched before the last one's tokens
+  are read back) — what the engine pays per step;
 - roofline: bytes one step moves (the Linears' weights in the format the kernels read, the
   rows' GDN state read and written, their KV cache read) ÷ the device copy bandwidth measured
   in the same run;
@@ -132,17 +133,23 @@ def step_bytes(rt, batch: int, context: int) -> dict[str, float]:
 
 
 def decode_speed(rt, batch: int, context: int, steps: int, vocab: int) -> float:
-    """Seconds per decode step at `batch` rows, host loop included."""
+    """Seconds per decode step at `batch` rows, host loop included, run as the engine runs it:
+    each step launched chained to the last (greedy_step) before the last one's tokens are read."""
     g = torch.Generator().manual_seed(batch)
     tokens = torch.randint(0, vocab, (batch,), generator=g).tolist()
     slots, lengths, deltas = list(range(batch)), [context] * batch, [0] * batch
+    pending = rt.greedy_step(tokens, slots, lengths, deltas)
     for i in range(3 + steps):
         if i == 3:
+            pending.get()
             if rt.device.type == "cuda":
                 torch.cuda.synchronize(rt.device)
             t = time.perf_counter()
-        tokens = rt.decode_step(tokens, slots, lengths, deltas).argmax(-1).tolist()
         lengths = [n + 1 for n in lengths]
+        ahead = rt.greedy_step(None, slots, lengths, deltas)
+        pending.get()  # the last step's tokens back on the host, as the engine reads them
+        pending = ahead
+    pending.get()
     return (time.perf_counter() - t) / steps
 
 

@@ -4,8 +4,9 @@
 
 Builds the runtime on random weights of a named shape (as `ocriaquant bench --shape` does) and
 measures, at one batch size:
-- `host_loop_ms`: a step as `ocriaquant bench` times it (bench.decode_speed: the graph replay,
-  then argmax and the tokens back to the host before the next step);
+- `host_loop_ms`: a step as `ocriaquant bench` times it (bench.decode_speed: the graph replay
+  with its argmax, each step launched before the last one's tokens are read back, as the
+  engine does);
 - `graph_ms`: the captured step alone, replayed back to back between CUDA events, so the
   difference is what the host loop adds to each step;
 - the kernels of `--trace-steps` back-to-back replays under torch.profiler (CUPTI traces the

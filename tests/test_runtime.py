@@ -26,6 +26,50 @@ def test_prefill_then_decode_equals_longer_prefill(tiny_model_dir):
     assert torch.allclose(logits[1], shorter, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("device,backend", [("cpu", "torch"), pytest.param(
+    "cuda", "triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+def test_greedy_step_chained_on_the_device_equals_steps_fed_from_the_host(tiny_model_dir, device, backend):
+    """greedy_step(None, ...) feeds each row the token the last step produced and advances its
+    length on the device: the same tokens and state as steps whose inputs come from the host
+    (decode_step, argmax). The engine launches steps that way, one ahead of reading them. On a
+    GPU both run the same CUDA graph, which does the feeding itself."""
+    from ocriaquant.errors import OcriaError
+    from ocriaquant.runtime.model_runner import RuntimeModel
+
+    rt = RuntimeModel(tiny_model_dir, max_slots=3, max_len=40, device=device, backend=backend,
+                      dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 250, (1, n)) for n in (9, 6)]
+    slots, deltas = [2, 0], [0, 0]
+    with pytest.raises(OcriaError, match="chains from a last step"):
+        rt.greedy_step(None, slots, [9, 6], deltas)
+    runs = []
+    for chained in (False, True):
+        for s, p in zip(slots, prompts):  # a prefill rewrites the slot's whole state
+            rt.prefill({"input_ids": p}, slot=s)
+        tokens, lengths, got = [int(p[0, -1]) for p in prompts], [9, 6], []
+        pending = rt.greedy_step(tokens, slots, lengths, deltas) if chained else None
+        for _ in range(4):
+            if chained:
+                lengths = [n + 1 for n in lengths]
+                ahead = rt.greedy_step(None, slots, lengths, deltas)  # launched before the last is read
+                got.append(pending.get())
+                pending = ahead
+            else:
+                tokens = rt.decode_step(tokens, slots, lengths, deltas).argmax(-1).tolist()
+                lengths = [n + 1 for n in lengths]
+                got.append(tokens)
+        if chained:
+            got.append(pending.get())
+        else:
+            got.append(rt.decode_step(tokens, slots, lengths, deltas).argmax(-1).tolist())
+        runs.append((got, rt.state[0]["ssm"][[0, 2]].clone(), rt.state[3]["k"][[0, 2], :, :16].clone()))
+    (t0, s0, k0), (t1, s1, k1) = runs
+    assert t0 == t1 and torch.equal(s0, s1) and torch.equal(k0, k1)
+    with pytest.raises(OcriaError, match="max_len"):
+        rt.greedy_step(None, slots, [40, 11], deltas)
+
+
 def test_prefill_logits_equal_transformers(tiny_model_dir, synth_pages):
     from ocriaquant.model import load_model
     from ocriaquant.model.processor import chat_text
@@ -136,7 +180,8 @@ def test_runtime_errors_name_the_problem(tiny_model_dir, tmp_path):
                     reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path):
     """Decode steps through gdn_decode, the GEMVs and silu_mul_quant give the torch backend's
-    logits and GDN state on a mixed FP8 / NVFP4 checkpoint."""
+    logits and GDN state on a mixed FP8 / NVFP4 checkpoint: on the GPU when there is one, else on
+    the CPU under Triton's interpreter."""
     from ocriaquant.calibrate import model_fingerprint
     from ocriaquant.export import export
     from ocriaquant.runtime.model_runner import RuntimeModel
@@ -150,22 +195,23 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
     torch.manual_seed(1)
     prompts = [torch.randint(0, 250, (1, n)) for n in (9, 6)]
     runs = {}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     for backend in ("torch", "triton"):
-        rt = RuntimeModel(ckpt, max_slots=3, max_len=32, backend=backend)
-        lengths = torch.tensor([9, 6])
-        tokens = torch.stack([p[0, -1] for p in prompts])
+        rt = RuntimeModel(ckpt, device=dev, max_slots=3, max_len=32, backend=backend)
+        lengths = torch.tensor([9, 6], device=dev)
+        tokens = torch.stack([p[0, -1] for p in prompts]).to(dev)
         for s, p in zip((2, 0), prompts):
             rt.prefill({"input_ids": p}, slot=s)
         out = []
         for _ in range(3):
-            logits = rt.decode(tokens, torch.tensor([2, 0]), lengths, torch.tensor([0, 0]))
+            logits = rt.decode(tokens, torch.tensor([2, 0], device=dev), lengths, torch.tensor([0, 0], device=dev))
             out.append(logits.float())
             tokens, lengths = logits.argmax(-1), lengths + 1
         untouched = torch.equal(rt.state[0]["ssm"][1], torch.zeros_like(rt.state[0]["ssm"][1]))  # no row on slot 1
         # batch 1: the weight-streaming GEMVs of every format (above it BF16 and NVFP4 use cuBLAS)
         rt.prefill({"input_ids": prompts[0]}, slot=1)
-        one = rt.decode(prompts[0][0, -1:], torch.tensor([1]), torch.tensor([9]), torch.tensor([0]))
-        runs[backend] = (torch.stack(out), rt.state[0]["ssm"][[0, 2]].clone(), one.float())
+        one = rt.decode(*(torch.tensor(v, device=dev) for v in ([int(prompts[0][0, -1])], [1], [9], [0])))
+        runs[backend] = (torch.stack(out).cpu(), rt.state[0]["ssm"][[0, 2]].cpu(), one.float().cpu())
         assert untouched
         # layer 2's NVFP4 gate_up ran at batch 1 with silu·mul in its epilogue (gemv_nvfp4_silu)
         assert (backend == "triton") == bool(rt.layers[2].mlp.gate_up and rt.layers[2].mlp.gate_up.linear.m1_interleaved)

@@ -50,24 +50,39 @@ class Engine:
         for rid, req in enumerate(requests):
             enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
             sched.add(Sequence(rid, enc, limit))
+        pending = None  # a launched decode step whose tokens are not read yet: (its rows, PendingTokens)
         while not sched.idle:
-            for seq in sched.admit():
-                seq.t_admit = time.perf_counter()
-                logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
-                seq.length = seq.enc["input_ids"].shape[1]
-                self._append(seq, int(logits.argmax()), stops)
-            yield from self._finished(sched)  # a request can end at its first token
-            run = sched.running
-            if not run:
-                continue
-            logits = self.model.decode_step([s.tokens[-1] for s in run], [s.slot for s in run],
-                                            [s.length for s in run], [s.delta for s in run])
-            for seq, nxt in zip(run, logits.argmax(-1).tolist()):
-                seq.length += 1
-                self._append(seq, nxt, stops)
+            if pending is None:
+                for seq in sched.admit():
+                    seq.t_admit = time.perf_counter()
+                    logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
+                    seq.length = seq.enc["input_ids"].shape[1]
+                    self._append(seq, int(logits.argmax()), stops)
+                yield from self._finished(sched)  # a request can end at its first token
+                run = sched.running
+                if not run:
+                    continue
+                pending = (run, self.model.greedy_step([s.tokens[-1] for s in run], [s.slot for s in run],
+                                                        [s.length for s in run], [s.delta for s in run]))
+            run, got = pending
+            # The next step goes out before this one's tokens are read, fed them on the device, so the
+            # host's bookkeeping hides behind the GPU. Rows that this step's tokens finish get one token
+            # too many there, dropped (the next prefill into their slot rewrites its state); then the
+            # step after is built from the host, with admissions. A batch holding finished rows, or
+            # one a row of which would pass max_len, is not chained.
+            ahead = None
+            if all(not s.done for s in run) and max(s.length for s in run) + 1 < self.model.max_len:
+                ahead = (run, self.model.greedy_step(None, [s.slot for s in run], [s.length + 1 for s in run],
+                                                      [s.delta for s in run]))
+            live = [s for s in run if not s.done]
+            for seq, nxt in zip(run, got.get()):
+                if not seq.done:
+                    seq.length += 1
+                    self._append(seq, nxt, stops)
             if on_step:
-                on_step(len(run))
+                on_step(len(live))
             yield from self._finished(sched)
+            pending = ahead
 
     def _finished(self, sched: Scheduler) -> Iterator[Result]:
         tok = self.processor.tokenizer

@@ -1,7 +1,9 @@
 """The model runner: our Qwen3.5 text decoder over per-slot state buffers, plus transformers'
 vision tower in BF16. Entry points: `prefill` one request into a slot, `decode` one token for
-a batch of slots (tensors), and `decode_step` (host lists; what the engine calls), which on a
-GPU with the triton backend replays a CUDA graph captured per batch bucket.
+a batch of slots (tensors), `decode_step` (host lists in, logits out), which on a GPU with the
+triton backend replays a CUDA graph captured per batch bucket, and `greedy_step` (what the
+engine calls): the same step with its argmax, whose tokens can feed the next step on the device
+so that the host reads a step's tokens while the GPU runs the next one.
 
 One slot more than max_slots is allocated: the sentinel, where the padded rows of a bucket
 write their (ignored) KV entries and GDN state."""
@@ -134,6 +136,7 @@ class RuntimeModel(nn.Module):
         self.use_graphs = cuda_graphs and backend == "triton" and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
         self._pool = None
+        self._last: tuple | None = None  # greedy_step's last launch, which the next may chain from
         self.eval()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,13 +233,54 @@ class RuntimeModel(nn.Module):
         if not self.use_graphs or bucket is None:
             meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
             return self.decode(*meta)
-        graph, meta, out = self._graph(bucket)
-        pad = bucket - n
+        graph, meta, out, _, _ = self._graph(bucket)
+        self._write_meta(meta, bucket, tokens, slots, lengths, deltas)
+        graph.replay()
+        self._last = None  # the graph advanced meta, but nobody holds this step's tokens
+        return out[:n]
+
+    def _write_meta(self, meta, bucket, tokens, slots, lengths, deltas) -> None:
+        pad = bucket - len(tokens)
         host = torch.tensor([tokens + [0] * pad, slots + [self.sentinel] * pad, lengths + [0] * pad,
                              deltas + [0] * pad], dtype=torch.long).pin_memory()
         meta.copy_(host, non_blocking=True)
+
+    @torch.no_grad()
+    def greedy_step(self, tokens: list[int] | None, slots: list[int], lengths: list[int],
+                    deltas: list[int]) -> "PendingTokens":
+        """One decode step and its argmax, launched; the tokens come back through the returned
+        handle's get() (which waits for them). tokens None chains: the same rows as the last call,
+        each fed the token that call produced, its length one more — nothing goes to the device,
+        so the caller can launch step t+1 before it reads step t's tokens (the engine does, and
+        the host's work hides behind the GPU's). `lengths` are then those of this step (the last
+        call's plus one): they are checked against max_len and must match what the device holds."""
+        n = len(slots)
+        if lengths and max(lengths) >= self.max_len:
+            raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        if tokens is None and (self._last is None or self._last[0] != n):
+            raise OcriaError("greedy_step(None, ...) chains from a last step of the same rows; there is none")
+        bucket = next((b for b in BUCKETS if b >= n), None)
+        if not self.use_graphs or bucket is None:
+            if tokens is None:
+                meta = self._last[1]
+            else:
+                meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
+            nxt = self._advance(meta, self.decode(*meta.clone()))
+            self._last = (n, meta)
+            return PendingTokens(nxt[:n].clone(), None, None)
+        graph, meta, _, nxt, host = self._graph(bucket)
+        if tokens is not None:
+            self._write_meta(meta, bucket, tokens, slots, lengths, deltas)
         graph.replay()
-        return out[:n]
+        # back to the host without a sync: the copy follows the step on the stream, and the next
+        # replay (which overwrites nxt) follows the copy
+        flip = 1 if self._last is not None and self._last[1] is host[0] else 0
+        buf = host[flip]
+        buf.copy_(nxt, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._last = (n, buf)
+        return PendingTokens(buf, done, n)
 
     def _graph(self, bucket: int):
         """Capture (once) the decode step for `bucket` rows. Warm-up and capture run with every
@@ -253,6 +297,31 @@ class RuntimeModel(nn.Module):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self.decode(*meta)
+                nxt = self._advance(meta, out)
             self._pool = graph.pool()  # one memory pool for all buckets: they never replay at once
-            self._graphs[bucket] = (graph, meta, out)
+            # two pinned buffers the tokens go back to the host through: at most two steps are in flight
+            host = [torch.empty(bucket, dtype=torch.long).pin_memory() for _ in range(2)]
+            self._graphs[bucket] = (graph, meta, out, nxt, host)
         return self._graphs[bucket]
+
+    def _advance(self, meta: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of a step, also written into `meta` as the next step's input: each row's
+        token, its length one more (not the padding rows', which stay at 0 on the sentinel slot).
+        A step whose host writes `meta` first overwrites all of it."""
+        nxt = logits.argmax(-1)
+        meta[0].copy_(nxt)
+        meta[2].add_(meta[1] != self.sentinel)
+        return nxt
+
+
+class PendingTokens:
+    """A launched greedy step's tokens: get() waits for the step (when it ran on a GPU) and
+    returns them as a list."""
+
+    def __init__(self, tokens: torch.Tensor, done, n: int | None):
+        self._tokens, self._done, self._n = tokens, done, n
+
+    def get(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._tokens[:self._n].tolist() if self._n is not None else self._tokens.tolist()

@@ -268,10 +268,11 @@ def _gdn_inputs(bsz, slots, H, HV, K, V, seed):
                 norm_weight=r(V, scale=0.3) + 1, state=r(slots, HV, V, K, scale=0.2, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("H,HV,K,V,vb", [(2, 4, 32, 32, 1), (2, 4, 32, 32, 2), (1, 1, 16, 64, 4)])
+@pytest.mark.parametrize("H,HV,K,V,vb", [(2, 4, 32, 32, 1), (2, 4, 32, 32, 2), (1, 1, 16, 64, 4), (1, 2, 64, 128, 1)])
 def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
     """vb: V-blocks per value head; above 1 the o norm and the q/k conv shift go through the
-    per-key-head ticket (the last program does them)."""
+    per-key-head ticket (the last program does them). A state tile above 32 × 128 (the last
+    case) is loaded after the wait and streamed (STREAM), as at B ≥ 8 on the 4B."""
     from ocriaquant.runtime.kernels import gdn_decode, gdn_decode_ref
 
     inp = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)

@@ -272,7 +272,7 @@ def _gdn_inputs(bsz, slots, H, HV, K, V, seed):
 def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
     """vb: V-blocks per value head; above 1 the o norm and the q/k conv shift go through the
     per-key-head ticket (the last program does them). A state tile above 32 × 128 (the last
-    case) is loaded after the wait and streamed (STREAM), as at B ≥ 8 on the 4B."""
+    case) is loaded after the wait and streamed past L2, as at B ≥ 8 on the 4B."""
     from ocriaquant.runtime.kernels import gdn_decode, gdn_decode_ref
 
     inp = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)

@@ -136,7 +136,8 @@ class RuntimeModel(nn.Module):
         self.use_graphs = cuda_graphs and backend == "triton" and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
         self._pool = None
-        self._last: tuple | None = None  # greedy_step's last launch, which the next may chain from
+        self._last: tuple | None = None  # greedy_step's last launch (rows, its device meta): the next may chain
+        self._flip = 0  # which of a bucket's two pinned token buffers the next greedy_step copies into
         self.eval()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,19 +268,19 @@ class RuntimeModel(nn.Module):
                 meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
             nxt = self._advance(meta, self.decode(*meta.clone()))
             self._last = (n, meta)
-            return PendingTokens(nxt[:n].clone(), None, None)
+            return PendingTokens(nxt.clone(), None, n)
         graph, meta, _, nxt, host = self._graph(bucket)
         if tokens is not None:
             self._write_meta(meta, bucket, tokens, slots, lengths, deltas)
         graph.replay()
         # back to the host without a sync: the copy follows the step on the stream, and the next
-        # replay (which overwrites nxt) follows the copy
-        flip = 1 if self._last is not None and self._last[1] is host[0] else 0
-        buf = host[flip]
+        # replay (which overwrites nxt) follows the copy; buffers alternate, two steps being in flight
+        self._flip ^= 1
+        buf = host[self._flip]
         buf.copy_(nxt, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self._last = (n, buf)
+        self._last = (n, meta)
         return PendingTokens(buf, done, n)
 
     def _graph(self, bucket: int):
@@ -318,10 +319,10 @@ class PendingTokens:
     """A launched greedy step's tokens: get() waits for the step (when it ran on a GPU) and
     returns them as a list."""
 
-    def __init__(self, tokens: torch.Tensor, done, n: int | None):
+    def __init__(self, tokens: torch.Tensor, done, n: int):
         self._tokens, self._done, self._n = tokens, done, n
 
     def get(self) -> list[int]:
         if self._done is not None:
             self._done.synchronize()
-        return self._tokens[:self._n].tolist() if self._n is not None else self._tokens.tolist()
+        return self._tokens[:self._n].tolist()

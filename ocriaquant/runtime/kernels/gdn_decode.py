@@ -85,13 +85,9 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
                        s_stride_slot, stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NVB: tl.constexpr, BVF: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr,
-                       QUANT: tl.constexpr, QB: tl.constexpr, STREAM: tl.constexpr):
+                       QUANT: tl.constexpr, QB: tl.constexpr):
     """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh).
-    Tickets: [B·H] per (row, key head), then [B] per row (QUANT). STREAM: the state is loaded
-    evict-first and stored streaming (.cs): read and written once a step and far larger than L2
-    above batch 1 (134 MB a layer at B = 64), it need not displace anything there. H200, B = 64:
-    83.7 us, 76 % of the state roofline, where it took 88.5 (72 %); the decode step at batch 32 / 64
-    0.7 % faster (BENCHMARKS.md, session 11). Batch 1's small early-loaded tiles keep the defaults."""
+    Tickets: [B·H] per (row, key head), then [B] per row (QUANT)."""
     bi = tl.program_id(0)
     hv = tl.program_id(1)
     vb = tl.program_id(2)
@@ -129,18 +125,19 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     g = -decay * softplus
     bb = tl.load(b_ptr + bi * stride_ab + hv).to(tl.float32)
     beta = 1.0 / (1.0 + tl.exp(-bb))
+    # Above batch 1 (tiles loaded late) the state is read and written once a step and is far larger
+    # than L2 (134 MB a layer at B = 64): loaded evict-first and stored streaming (.cs), it displaces
+    # nothing there. H200, B = 64: 88.5 -> 83.7 us, 72 -> 76 % of the state roofline; the step at
+    # batch 32 / 64 0.7 % faster (BENCHMARKS.md, session 11). Batch 1's early tiles keep the defaults.
     if not EARLY_S:
-        if STREAM:
-            S = tl.load(sp, mask=smask, other=0.0, eviction_policy="evict_first")
-        else:
-            S = tl.load(sp, mask=smask, other=0.0)
+        S = tl.load(sp, mask=smask, other=0.0, eviction_policy="evict_first")
     S = S * tl.exp(g)
     delta = (v - tl.sum(S * k[None, :], 1)) * beta
     S = S + delta[:, None] * k[None, :]
-    if STREAM:
-        tl.store(sp, S, mask=smask, cache_modifier=".cs")
-    else:
+    if EARLY_S:
         tl.store(sp, S, mask=smask)
+    else:
+        tl.store(sp, S, mask=smask, cache_modifier=".cs")
     o = tl.sum(S * q[None, :], 1)
     ws = ws_ptr + (bi * HV + hv) * V
     tl.store(ws + rv, o, mask=v_ok)
@@ -228,7 +225,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
         EARLY_S=early, QUANT=0 if quant is None else (2 if half else 1), QB=min(4096, triton.next_power_of_2(hv * V)),
-        num_warps=num_warps or 4, PDL=pdl, launch_pdl=pdl, STREAM=not early)
+        num_warps=num_warps or 4, PDL=pdl, launch_pdl=pdl)
     if quant is None:
         return out
     return out, ((q8, qs, qh) if half else (q8, qs))

@@ -217,6 +217,26 @@ def test_gemv_bf16(m, n, k, split):
         gemv_bf16(torch.zeros(65, k, dtype=torch.bfloat16, device=DEV), w)
 
 
+@pytest.mark.parametrize("i,k,block_n,block_k", [(40, 512, 8, 256), (24, 768, 16, 512)])
+def test_gemv_bf16_silu(i, k, block_n, block_k):
+    """Batch 1, a BF16 fused gate_up with silu·mul in its epilogue equals the two-launch path
+    (gemv_bf16, then silu_mul_quant "bf16") bit for bit, and the float64 product to bf16 rounding."""
+    from ocriaquant.runtime.kernels import gemv_bf16, silu_mul_quant
+
+    torch.manual_seed(i + k)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(2 * i, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
+    h = gemv_bf16(x, w, out=poisoned(1, i), silu=True, block_n=block_n, block_k=block_k)
+    gu = gemv_bf16(x, w, split_k=1, block_n=block_n, block_k=block_k)
+    assert torch.equal(h, silu_mul_quant(gu[:, :i], gu[:, i:], "bf16"))
+    g64, u64 = (x.double() @ w.double().T).split(i, dim=1)
+    assert rel(h, g64 * g64.sigmoid() * u64) <= 1e-2
+    with pytest.raises(ValueError, match="even rows"):
+        gemv_bf16(x, w[:-1], silu=True)
+    with pytest.raises(ValueError, match="M = 1"):
+        gemv_bf16(x.repeat(2, 1), w, silu=True)
+
+
 @pytest.mark.parametrize("m,i", [(1, 320), (6, 2048 + 64), (9, 96)])
 def test_silu_mul_quant(m, i):
     from ocriaquant.quant import nvfp4

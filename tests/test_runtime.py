@@ -215,6 +215,8 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
         assert untouched
         # layer 2's NVFP4 gate_up ran at batch 1 with silu·mul in its epilogue (gemv_nvfp4_silu)
         assert (backend == "triton") == bool(rt.layers[2].mlp.gate_up and rt.layers[2].mlp.gate_up.linear.m1_interleaved)
+        # layer 1's BF16 gate_up ran at batch 1 with silu·mul in its epilogue (gemv_bf16 silu)
+        assert (backend == "triton") == rt.layers[1].mlp.fused_silu_bf16()
     (lt, st, ot), (lk, sk, ok) = runs["torch"], runs["triton"]
     assert float((ok - ot).norm() / ot.norm()) <= 2e-2
     assert not torch.equal(lk, lt) and not torch.equal(sk, st)  # the kernels ran (fp32 GDN, other sum order)

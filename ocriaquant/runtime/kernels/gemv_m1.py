@@ -8,6 +8,10 @@ into registers and multiplies them with the broadcast activations in fp32; the r
 reduced once at the end. K is split across CTAs (splitk.py) so a 2560-row output still fills
 every SM. The products are exact in fp32 (BF16·BF16 and E4M3·E4M3 both are), so the result
 is the tensor-core path's up to fp32 summation order.
+
+With `silu` a BF16 fused gate_up streams a tile of gate rows and the same rows of up together and
+writes silu(gate) · up, bf16-rounded as silu_mul_quant would from the two bf16 outputs: where the
+down_proj is BF16 too, the batch-1 MLP is two launches, not three.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import e4m3_value
+from .rounding import e4m3_value, round_bf16
+from .silu_mul_quant import silu_mul_values
 from .splitk import launch_plan, split_tile, store_row, use_pdl, wait_for_inputs
 
 
@@ -35,52 +40,74 @@ def _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0, k_end, BK: tl.constexpr, FP
 
 
 @triton.jit
+def _dot_step(acc, w, x_ptr, x8_ptr, ks, kmask, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + w · x[ks] (broadcast along the tile's rows), products in fp32."""
+    if FP8 and INTERPRET:  # the interpreter's E4M3 conversion is unreliable (rounding.py)
+        x = e4m3_value(tl.load(x8_ptr + ks, mask=kmask, other=0).to(tl.int32))
+        return acc + e4m3_value(w) * x[None, :]
+    x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
 def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
                     K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
-                    INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                    SILU: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    """SILU (BF16, no split): w is a fused [gate; up] of 2·N rows; the CTA streams gate rows rn
+    and up rows N + rn together and writes silu(gate) · up [N]."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     w = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k_start, k_end, BK, FP8, INTERPRET)
+    if SILU:
+        acc_u = tl.zeros((BN, BK), dtype=tl.float32)
+        w_u = _load_w(w_ptr, w8_ptr, rn + N, nmask, stride_wn, k_start, k_end, BK, FP8, INTERPRET)
     wait_for_inputs(PDL)
     for k0 in range(k_start, k_end, BK):
         # the next tile's loads go out before this one is computed: latency bounds these shapes
         w_next = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
         ks = k0 + rk
         kmask = ks < k_end
-        if FP8 and INTERPRET:  # the interpreter's E4M3 conversion is unreliable (rounding.py)
-            x = e4m3_value(tl.load(x8_ptr + ks, mask=kmask, other=0).to(tl.int32))
-            acc += e4m3_value(w) * x[None, :]
-        else:
-            x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+        acc = _dot_step(acc, w, x_ptr, x8_ptr, ks, kmask, FP8, INTERPRET)
         w = w_next
+        if SILU:
+            w_u_next = _load_w(w_ptr, w8_ptr, rn + N, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
+            acc_u = _dot_step(acc_u, w_u, x_ptr, x8_ptr, ks, kmask, FP8, INTERPRET)
+            w_u = w_u_next
     y = tl.sum(acc, 1)
     if FP8:
         y = y * tl.load(xs_ptr) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, False, INTERPRET)
+    if SILU:  # what gemv_m1 then silu_mul_quant(..., "bf16") compute: both outputs rounded to bf16 first
+        h = silu_mul_values(round_bf16(y), round_bf16(tl.sum(acc_u, 1)))
+        tl.store(y_ptr + rn, h.to(y_ptr.dtype.element_ty), mask=nmask)
+    else:
+        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, False, INTERPRET)
 
 
 def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,
             w_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 16,
             block_k: int = 256, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-            pdl: bool | None = None) -> torch.Tensor:
+            pdl: bool | None = None, silu: bool = False) -> torch.Tensor:
     """x [1, K], w [N, K], both bf16 or both E4M3 (then x_scale [1, 1] and w_scale [N, 1]
-    fp32/bf16 are required) -> bf16 [1, N]."""
+    fp32/bf16 are required) -> bf16 [1, N]. silu (bf16): w is a fused gate_up [2·I, K], the
+    result silu(gate) · up [1, I] in one launch (K is not split)."""
     m, k = x.shape
     n = w.shape[0]
+    if silu and (n % 2 or w.dtype != torch.bfloat16):
+        raise ValueError(f"gemv_m1: silu takes a bf16 [gate; up] weight of even rows, got {tuple(w.shape)} {w.dtype}")
+    n = n // 2 if silu else n
     if m != 1 or w.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"gemv_m1: x must be [1, K] and w [N, K] with contiguous rows, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
     fp8 = w.dtype == torch.float8_e4m3fn
     if fp8 != (x.dtype == torch.float8_e4m3fn) or fp8 != (x_scale is not None and w_scale is not None):
         raise ValueError("gemv_m1: x and w are both bf16, or both E4M3 with x_scale and w_scale")
-    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, split_k, out)
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, 1 if silu else split_k, out)
     pdl = use_pdl(x.device, pdl)
     as_bytes = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
     _gemv_m1_kernel[grid](x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
                           w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
-                          BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8,
+                          BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
                           num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
     return out

@@ -263,16 +263,17 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """partials: down_proj's output may come back unreduced (QuantLinear.forward)."""
         down = self.down_proj
-        if self.gate_up is not None and self.gate_up.linear.m1_interleaved and x.numel() == x.shape[-1] and \
-                down.uses_kernels(x):  # batch 1: gate_up, silu·mul and down_proj's pairs in one launch
-            if x_q is None or x_q[0].dtype != torch.int32:
-                from .kernels.gemv_nvfp4 import nvfp4_x_pairs
+        fused = self.gate_up is not None and (self.gate_up.linear.m1_interleaved or self.fused_silu_bf16())
+        if fused and x.numel() == x.shape[-1] and down.uses_kernels(x):  # batch 1: silu·mul in gate_up's epilogue
+            gate_up = self.gate_up.linear
+            if gate_up.m1_interleaved:  # NVFP4: down_proj's activation pairs straight from the epilogue
+                if x_q is None or x_q[0].dtype != torch.int32:
+                    from .kernels.gemv_nvfp4 import nvfp4_x_pairs
 
-                x_q = nvfp4_x_pairs(x.reshape(1, -1).contiguous())
-            y = down.forward_pairs(self.gate_up.linear.forward_silu_pairs(x_q), partials)
-            return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)
-        if self.fused_silu_bf16() and x.numel() == x.shape[-1] and down.uses_kernels(x):
-            y = down.forward_kernels(self.gate_up.linear.forward_silu_bf16(x.reshape(1, -1)), None, partials)
+                    x_q = nvfp4_x_pairs(x.reshape(1, -1).contiguous())
+                y = down.forward_pairs(gate_up.forward_silu_pairs(x_q), partials)
+            else:
+                y = down.forward_kernels(gate_up.forward_silu_bf16(x.reshape(1, -1)), None, partials)
             return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)
         gate, up = self.gate_up(x, x_q) if self.gate_up is not None else (self.gate_proj(x, x_q), self.up_proj(x, x_q))
         if down.uses_kernels(x):

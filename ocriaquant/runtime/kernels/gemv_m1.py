@@ -40,13 +40,19 @@ def _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0, k_end, BK: tl.constexpr, FP
 
 
 @triton.jit
-def _dot_step(acc, w, x_ptr, x8_ptr, ks, kmask, FP8: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + w · x[ks] (broadcast along the tile's rows), products in fp32."""
+def _x_at(x_ptr, x8_ptr, ks, kmask, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """Activations ks as fp32 [BK]: once a K-step, whatever number of weight tiles they multiply."""
     if FP8 and INTERPRET:  # the interpreter's E4M3 conversion is unreliable (rounding.py)
-        x = e4m3_value(tl.load(x8_ptr + ks, mask=kmask, other=0).to(tl.int32))
-        return acc + e4m3_value(w) * x[None, :]
-    x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-    return acc + w.to(tl.float32) * x[None, :]
+        return e4m3_value(tl.load(x8_ptr + ks, mask=kmask, other=0).to(tl.int32))
+    return tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _w_f32(w, FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """A weight tile as _load_w returns it, in fp32."""
+    if FP8 and INTERPRET:
+        return e4m3_value(w)
+    return w.to(tl.float32)
 
 
 @triton.jit
@@ -67,12 +73,12 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
         # the next tile's loads go out before this one is computed: latency bounds these shapes
         w_next = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
         ks = k0 + rk
-        kmask = ks < k_end
-        acc = _dot_step(acc, w, x_ptr, x8_ptr, ks, kmask, FP8, INTERPRET)
+        x = _x_at(x_ptr, x8_ptr, ks, ks < k_end, FP8, INTERPRET)
+        acc += _w_f32(w, FP8, INTERPRET) * x[None, :]
         w = w_next
         if SILU:
             w_u_next = _load_w(w_ptr, w8_ptr, rn + N, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
-            acc_u = _dot_step(acc_u, w_u, x_ptr, x8_ptr, ks, kmask, FP8, INTERPRET)
+            acc_u += _w_f32(w_u, FP8, INTERPRET) * x[None, :]
             w_u = w_u_next
     y = tl.sum(acc, 1)
     if FP8:

@@ -48,7 +48,8 @@ def test_quant_fp8_per_token_slices(m, k):
         assert torch.equal(h, q.to(torch.float16) * 2.0**-8)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (5, 40, 768, 1), (16, 32, 1024, 3), (33, 16, 256, 1)])
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (5, 40, 768, 1), (16, 32, 1024, 3),
+                                         (33, 16, 256, 1)])
 def test_gemv_fp8(m, n, k, split):
     from ocriaquant.quant import fp8
     from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token

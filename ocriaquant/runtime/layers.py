@@ -69,7 +69,7 @@ class QuantLinear(nn.Module):
             w = nvfp4.dequantize(weight, scale, global_scale.reshape(1).float(), dtype)
         self.register_buffer("weight", w)
         self.out_features, self.in_features = w.shape
-        self._m1_tile: dict | None = None  # the GEMV tile at batch 1 (kernels/tiles.py), on first use
+        self._m1_tiles: dict[str, dict] = {}  # the batch-1 GEMV tiles by kernel kind (_m1_tile), on first use
         self.register_buffer("w_m1", None)  # NVFP4: the batch-1 kernel's weight words (pack_m1)
         self.register_buffer("w_m1_scale", None)
         self.m1_interleaved = False
@@ -112,11 +112,7 @@ class QuantLinear(nn.Module):
         from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
 
         m = x.shape[0]
-        if m == 1 and self._m1_tile is None:
-            from .kernels.tiles import m1_tile
-
-            self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
-        tile = self._m1_tile if m == 1 else {}
+        tile = self._m1_tile() if m == 1 else {}
         # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs
         form = None if x_q is None else x_q[0].dtype
         if self.kind == "fp8":
@@ -131,6 +127,16 @@ class QuantLinear(nn.Module):
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale,
                           x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), partials=partials, **tile)
 
+    def _m1_tile(self, kind: str | None = None) -> dict:
+        """The batch-1 GEMV tile (kernels/tiles.py) for this weight's shape and `kind` (this
+        Linear's format; "nvfp4_silu": gemv_nvfp4_silu), looked up once."""
+        kind = kind or self.kind
+        if kind not in self._m1_tiles:
+            from .kernels.tiles import m1_tile
+
+            self._m1_tiles[kind] = m1_tile(kind, self.out_features, self.in_features)
+        return self._m1_tiles[kind]
+
     def _m1(self) -> tuple | None:
         if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls
             raise RuntimeError("this gate_up's batch-1 weight is interleaved for the fused SiLU; use MLP")
@@ -140,11 +146,9 @@ class QuantLinear(nn.Module):
         """Batch 1, NVFP4 gate_up packed with interleave: silu(gate) · up as down_proj's activation
         pairs, from this GEMV's epilogue (gemv_nvfp4_silu)."""
         from .kernels.gemv_nvfp4 import gemv_nvfp4_silu
-        from .kernels.tiles import m1_tile
 
-        if self._m1_tile is None:
-            self._m1_tile = m1_tile("nvfp4_silu", self.out_features, self.in_features)
-        return gemv_nvfp4_silu(x_pairs, (self.w_m1, self.w_m1_scale), self.w_global_scale, **self._m1_tile)
+        return gemv_nvfp4_silu(x_pairs, (self.w_m1, self.w_m1_scale), self.w_global_scale,
+                               **self._m1_tile("nvfp4_silu"))
 
     def forward_silu_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """Batch 1, a BF16 fused gate_up: silu(gate) · up [1, I] from the GEMV's epilogue
@@ -152,22 +156,16 @@ class QuantLinear(nn.Module):
         streams that many gate rows and as many up rows: on an H200 the BF16 step took 2.789 ms at
         batch 1 with it, 2.829 with half as many rows of each, 2.875 unfused (session 12)."""
         from .kernels import gemv_bf16
-        from .kernels.tiles import m1_tile
 
-        if self._m1_tile is None:
-            self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
-        return gemv_bf16(x, self.weight, silu=True, **self._m1_tile)
+        return gemv_bf16(x, self.weight, silu=True, **self._m1_tile())
 
     def forward_pairs(self, x_pairs: tuple, partials: bool = False):
         """Batch 1, NVFP4 (W4A16): y [1, N] from activations that arrive as pairs only
         (`partials`: see forward)."""
         from .kernels import gemv_nvfp4
-        from .kernels.tiles import m1_tile
 
-        if self._m1_tile is None:
-            self._m1_tile = m1_tile(self.kind, self.out_features, self.in_features)
         return gemv_nvfp4(None, self.w_packed, self.w_scale, self.w_global_scale, x_pairs=x_pairs, m1=self._m1(),
-                          partials=partials, **self._m1_tile)
+                          partials=partials, **self._m1_tile())
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":

@@ -3,9 +3,9 @@
 
 At batch 1 a tensor-core tile pads the single row to 16 and sends the weights through a
 shared-memory layout change; cuBLAS reaches 40–55 % of the copy bandwidth on the 4B's
-2560-wide shapes. Here each thread reads contiguous 16-byte runs of a weight row straight
-into registers and multiplies them with the broadcast activations in fp32; the row sums are
-reduced once at the end. K is split across CTAs (splitk.py) so a 2560-row output still fills
+2560-wide shapes. Here each thread reads contiguous 16-byte runs of a weight row (through a
+cp.async pipeline, M1_STAGES) and multiplies them with the broadcast activations in fp32; the
+row sums are reduced once at the end. K is split across CTAs (splitk.py) so a 2560-row output still fills
 every SM. The products are exact in fp32 (BF16·BF16 and E4M3·E4M3 both are), so the result
 is the tensor-core path's up to fp32 summation order.
 
@@ -25,6 +25,15 @@ import triton.language as tl
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
 from .splitk import launch_plan, split_tile, store_row, use_pdl, wait_for_inputs
+
+
+# The K loop's software pipeline depth. The loop used to issue the next tile's loads by hand, into
+# registers, the first one before the PDL wait; Triton's cp.async pipeline at 3 stages (two tiles
+# in flight, in shared memory) took the BF16 plan's batch-1 step on an H200 from 2.788 / 2.790 to
+# 2.751 / 2.748 ms and the mixed plan's (whose lm_head is this kernel) from 2.175 to 2.157
+# (BENCHMARKS.md, session 14). 4 stages: 2.754. The paired-fp16 FP8 / NVFP4 GEMVs got 25-40 %
+# slower the same way, so they keep their register prefetch.
+M1_STAGES = 3
 
 
 @triton.jit
@@ -58,28 +67,23 @@ def _w_f32(w, FP8: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
                     K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
-                    SILU: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                    SILU: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """SILU (BF16, no split): w is a fused [gate; up] of 2·N rows; the CTA streams gate rows rn
     and up rows N + rn together and writes silu(gate) · up [N]."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    w = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k_start, k_end, BK, FP8, INTERPRET)
-    if SILU:
-        acc_u = tl.zeros((BN, BK), dtype=tl.float32)
-        w_u = _load_w(w_ptr, w8_ptr, rn + N, nmask, stride_wn, k_start, k_end, BK, FP8, INTERPRET)
+    acc_u = tl.zeros((BN, BK), dtype=tl.float32)
     wait_for_inputs(PDL)
-    for k0 in range(k_start, k_end, BK):
-        # the next tile's loads go out before this one is computed: latency bounds these shapes
-        w_next = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
+    # Triton pipelines this loop's loads through shared memory (cp.async, STAGES - 1 tiles ahead)
+    for k0 in tl.range(k_start, k_end, BK, num_stages=STAGES):
+        w = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0, k_end, BK, FP8, INTERPRET)
         ks = k0 + rk
         x = _x_at(x_ptr, x8_ptr, ks, ks < k_end, FP8, INTERPRET)
         acc += _w_f32(w, FP8, INTERPRET) * x[None, :]
-        w = w_next
         if SILU:
-            w_u_next = _load_w(w_ptr, w8_ptr, rn + N, nmask, stride_wn, k0 + BK, k_end, BK, FP8, INTERPRET)
+            w_u = _load_w(w_ptr, w8_ptr, rn + N, nmask, stride_wn, k0, k_end, BK, FP8, INTERPRET)
             acc_u += _w_f32(w_u, FP8, INTERPRET) * x[None, :]
-            w_u = w_u_next
     y = tl.sum(acc, 1)
     if FP8:
         y = y * tl.load(xs_ptr) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -115,5 +119,5 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
                           w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
                           BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                          num_stages=num_stages, PDL=pdl, launch_pdl=pdl)
+                          num_stages=num_stages, PDL=pdl, STAGES=M1_STAGES, launch_pdl=pdl)
     return out

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, nvfp4_block_dot, store_nvfp4_pairs
+from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, load_pairs_v4, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
 from .splitk import (Partials, launch_plan, partials_view, split_tile, store_or_reduce, store_row, use_pdl,
@@ -107,7 +107,7 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr):
+                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -139,7 +139,10 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                                 INTERPRET, WHOLE)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
-        p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
+        if V4:  # whole tiles, 16-byte aligned pairs, GPU: each block's eight words in two 16-byte loads
+            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xw_ptr + kb * 8)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
         xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
         part = nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX)
         if INTERPRET:
@@ -245,7 +248,8 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                                 out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0), k_per, BN=block_n,
                                 NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                                 INTERPRET=interp, PTX=ptx and not interp, PDL=pdl, SILU=silu_out is not None,
-                                PARTIALS=partials, WHOLE=k % block_k == 0, launch_pdl=pdl)
+                                PARTIALS=partials, WHOLE=k % block_k == 0,
+                                V4=k % block_k == 0 and xw.data_ptr() % 16 == 0 and not interp, launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

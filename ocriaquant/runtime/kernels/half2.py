@@ -97,6 +97,23 @@ def load_pairs(p, mask):
 
 
 @triton.jit
+def load_pairs_v4(p):
+    """load_pairs without a mask, GPU only: the eight words at p + 0 … 7 (32-byte aligned) as two
+    16-byte loads (PTX ld.global.v4) instead of eight 4-byte ones — Triton issues one load per
+    tl.load, and the eight words are eight tensors. In gemv_nvfp4's batch-1 loop they were 16 of a
+    thread's 29 loads a tile; ncu had its L1/TEX pipe 77 % busy (DRAM 31 %) and warps waiting on it
+    44 % of the time. With these the mixed plan's batch-1 step went from 2.175 to
+    2.091 ms on an H200 (BENCHMARKS.md, session 14); gemv_fp8 gained nothing and keeps load_pairs.
+    Not pure asm: a pure load could be moved above the PDL wait that orders it after its producer."""
+    a = p.to(tl.int64, bitcast=True)
+    x0, x1, x2, x3 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [a],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    x4, x5, x6, x7 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4+16];", "=r,=r,=r,=r,l", [a],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    return (x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :])
+
+
+@triton.jit
 def e2m1_times_2m14(nib):
     """Integer nibbles -> fp16 values E2M1(nib) × 2^-14: the three magnitude bits placed at bit 9
     of an fp16 (exponent field = E2M1 exponent, top mantissa bit = E2M1 mantissa) are the E2M1

@@ -28,7 +28,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"gemv_bf16: silu·mul in the epilogue is the M = 1 CUDA-core path, got M={m}, path {path!r}")
     if path == "fma" or (path == "auto" and m == 1):
         return gemv_m1(x, w, out=out, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                       num_stages=num_stages, pdl=pdl, silu=silu)
+                       pdl=pdl, silu=silu)
     return gemv_dot(x, w, out=out, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                     num_stages=num_stages)
 

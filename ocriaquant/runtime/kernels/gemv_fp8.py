@@ -107,7 +107,7 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
                             x_half, partials)
     if path == "fma" or (path == "auto" and m == 1):
         return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
-                       num_warps=num_warps, num_stages=num_stages, pdl=pdl)
+                       num_warps=num_warps, pdl=pdl)
     return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
                     num_warps=num_warps, num_stages=num_stages)
 

@@ -31,8 +31,9 @@ from .splitk import launch_plan, split_tile, store_row, use_pdl, wait_for_inputs
 # registers, the first one before the PDL wait; Triton's cp.async pipeline at 3 stages (two tiles
 # in flight, in shared memory) took the BF16 plan's batch-1 step on an H200 from 2.788 / 2.790 to
 # 2.751 / 2.748 ms and the mixed plan's (whose lm_head is this kernel) from 2.175 to 2.157
-# (BENCHMARKS.md, session 14). 4 stages: 2.754. The paired-fp16 FP8 / NVFP4 GEMVs got 25-40 %
-# slower the same way, so they keep their register prefetch.
+# (BENCHMARKS.md, session 14). 4 stages: 2.754. The paired-fp16 FP8 / NVFP4 GEMVs got 36-113 %
+# slower the same way, so they keep their register prefetch. The loop sets its own depth (tl.range):
+# a kernel-level num_stages does not pipeline loads that feed no tl.dot.
 M1_STAGES = 3
 
 
@@ -73,7 +74,8 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    acc_u = tl.zeros((BN, BK), dtype=tl.float32)
+    if SILU:
+        acc_u = tl.zeros((BN, BK), dtype=tl.float32)
     wait_for_inputs(PDL)
     # Triton pipelines this loop's loads through shared memory (cp.async, STAGES - 1 tiles ahead)
     for k0 in tl.range(k_start, k_end, BK, num_stages=STAGES):
@@ -96,8 +98,8 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
 
 def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,
             w_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, block_n: int = 16,
-            block_k: int = 256, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-            pdl: bool | None = None, silu: bool = False) -> torch.Tensor:
+            block_k: int = 256, split_k: int | None = None, num_warps: int = 4, pdl: bool | None = None,
+            silu: bool = False) -> torch.Tensor:
     """x [1, K], w [N, K], both bf16 or both E4M3 (then x_scale [1, 1] and w_scale [N, 1]
     fp32/bf16 are required) -> bf16 [1, N]. silu (bf16): w is a fused gate_up [2·I, K], the
     result silu(gate) · up [1, I] in one launch (K is not split)."""
@@ -119,5 +121,5 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
                           w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
                           BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                          num_stages=num_stages, PDL=pdl, STAGES=M1_STAGES, launch_pdl=pdl)
+                          PDL=pdl, STAGES=M1_STAGES, launch_pdl=pdl)
     return out

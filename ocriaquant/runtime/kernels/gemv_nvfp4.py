@@ -243,13 +243,14 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                                                 out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16))
     pdl = use_pdl(device, pdl)
     partials = partials and silu_out is None and grid[1] > 1
+    whole = k % block_k == 0  # every split is whole K-tiles: no K mask needed
     hw, hs = silu_out if silu_out is not None else (out, out)
     _gemv_nvfp4_m1_kernel[grid](xw, xs, words, scales.view(torch.uint8), scales, w_global_scale.reshape(1).float(),
                                 out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0), k_per, BN=block_n,
                                 NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                                 INTERPRET=interp, PTX=ptx and not interp, PDL=pdl, SILU=silu_out is not None,
-                                PARTIALS=partials, WHOLE=k % block_k == 0,
-                                V4=k % block_k == 0 and xw.data_ptr() % 16 == 0 and not interp, launch_pdl=pdl)
+                                PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
+                                launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

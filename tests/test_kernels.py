@@ -32,7 +32,7 @@ def fp8_codes_match(got, want):
     return torch.equal(g[normal], w[normal]) and bool(((g - w).abs() <= 2.0**-9 + 1e-12).all())
 
 
-@pytest.mark.parametrize("m,k", [(1, 4096), (3, 1000)])
+@pytest.mark.parametrize("m,k", [(1, 4096), (3, 1000), (1, 5000)])
 def test_quant_fp8_per_token_slices(m, k):
     """Activation quantization equals quant/'s (compressed-tensors-exact) numerics however the
     row is shared out among programs (each reads it whole for the scale, writes a slice)."""

@@ -43,9 +43,10 @@ def _residual(x_ptr, h_ptr, stride_hp, rd, m, HAS_H: tl.constexpr, PARTS: tl.con
 
 
 @triton.jit
-def _normed(r, rstd, w_ptr, rd, m):
-    """The bf16 norm output at columns rd (kept in fp32), which the quantized forms are made from."""
-    return round_bf16(r * rstd * (1.0 + tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32)))
+def _normed(r, rstd, w):
+    """The bf16 norm output (kept in fp32), which the quantized forms are made from; w: the norm
+    weight at r's columns, in fp32."""
+    return round_bf16(r * rstd * (1.0 + w))
 
 
 @triton.jit
@@ -56,26 +57,34 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
     for FP8, its absmax), then r, y and y's quantized form for the slice's BS columns only.
     QUANT: 0 none; 1 FP8 codes (q) and scale (s); 2 those and their fp16 pairs (p); 3 NVFP4
     activation pairs, words in q and block scales in s (half2.py)."""
-    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     row = tl.program_id(0)
     start = tl.program_id(1) * BS
     x_row, h_row = x_ptr + row * stride_x, h_ptr + row * stride_h
     rd = tl.arange(0, BD)
     m = rd < D
+    rs = start + tl.arange(0, BS)
+    ms = rs < D
+    STATS_W: tl.constexpr = BS != BD and (QUANT == 1 or QUANT == 2)  # the whole row's y, for the absmax
+    # The norm weight is constant, so it loads before the wait, under the producer's tail; the
+    # slice's own x and h load in the same round trip as the whole row's, not after the reductions.
+    # H200, batch 1: BF16 plan 2.742 -> 2.701 ms a step, mixed 1.996 -> 1.99 (BENCHMARKS.md, session 15).
+    w_s = tl.load(w_ptr + rs, mask=ms, other=0.0).to(tl.float32)
+    if STATS_W:
+        w_d = tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32)
+    start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     r = _residual(x_row, h_row, stride_hp, rd, m, HAS_H, PARTS, INTERPRET)
+    if BS != BD:
+        r_s = _residual(x_row, h_row, stride_hp, rs, ms, HAS_H, PARTS, INTERPRET)
     rstd = tl.rsqrt(tl.sum(r * r, 0) / D + eps)
     if BS == BD:  # one program per row: the slice is the row, already in registers
-        rs, ms = rd, m
-        y = _normed(r, rstd, w_ptr, rd, m)
+        y = _normed(r, rstd, w_s)
         if QUANT == 1 or QUANT == 2:
             scale = fp8_token_scale(tl.max(tl.abs(y), 0))
     else:
-        if QUANT == 1 or QUANT == 2:  # quant_fp8_per_token's scale needs the whole row's output
-            scale = fp8_token_scale(tl.max(tl.abs(_normed(r, rstd, w_ptr, rd, m)), 0))
-        rs = start + tl.arange(0, BS)
-        ms = rs < D
-        r = _residual(x_row, h_row, stride_hp, rs, ms, HAS_H, PARTS, INTERPRET)
-        y = _normed(r, rstd, w_ptr, rs, ms)
+        if STATS_W:  # quant_fp8_per_token's scale needs the whole row's output
+            scale = fp8_token_scale(tl.max(tl.abs(_normed(r, rstd, w_d)), 0))
+        r = r_s
+        y = _normed(r, rstd, w_s)
     if HAS_H:
         tl.store(r_ptr + row * stride_r + rs, r.to(r_ptr.dtype.element_ty), mask=ms)
     tl.store(y_ptr + row * stride_y + rs, y.to(y_ptr.dtype.element_ty), mask=ms)

@@ -4,7 +4,12 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
 
 - BF16 (fp32 CUDA-core kernel, gemv_m1.py): wide K (≥ 4096: out_proj, o_proj, down_proj;
   N = 2560) has few output tiles, so narrow ones (8 rows) with long K steps keep more CTAs
-  streaming; K = 2560 (input projections, lm_head) takes 16-row tiles, 512-wide K steps.
+  streaming; K = 2560 takes 512-wide K steps, 16-row tiles for the lm_head and the fused
+  gate_up, 8-row ones for the input projections (8192 ≤ N ≤ 16384: GDN's 12352, attention's
+  10240). Session 15 re-swept these inside the decode step once the K loop was a cp.async
+  pipeline (H200, BF16 plan, batch 1): the 8-row input projections took 2.701 -> 2.684 ms a
+  step; 32 × 256 or 16 × 256 there, 16 × 512 / 8 × 512 / a doubled split on the wide-K shapes,
+  16 × 256 / 32 × 256 gate_up tiles were all slower, the lm_head at 8 or 32 rows equal.
 - FP8 and NVFP4 (paired-fp16 kernels, half2.py, activations ready from the producer; session
   6's sweep): the lm_head takes 64-row tiles, 256-wide K steps; the 2560-wide K input
   projections 32 rows × 512 (gate+up) or, for the narrower GDN / q-k-v projections (N ≤ 12288),
@@ -38,4 +43,6 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
     if wide_k:
         return dict(block_n=8, block_k=1024)
+    if 8192 <= n <= 16384:  # the input projections (GDN's four, attention's q/k/v)
+        return dict(block_n=8, block_k=512 if k % 512 == 0 else 256)
     return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)

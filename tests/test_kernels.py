@@ -344,9 +344,12 @@ def test_gdn_decode_two_steps_equal_transformers_recurrence():
         q = q.view(1, 1, H, K).repeat_interleave(HV // H, 2)
         k = k.view(1, 1, H, K).repeat_interleave(HV // H, 2)
         g = -inp["A_log"].exp() * torch.nn.functional.softplus(inp["a"].float() + inp["dt_bias"])
-        o_tf, state_tf = torch_recurrent_gated_delta_rule(q, k, v.view(1, 1, HV, V), g.view(1, 1, HV),
-                                                          inp["b"].float().sigmoid().view(1, 1, HV), state_tf,
-                                                          True, use_qk_l2norm_in_kernel=True)
+        # keywords: with fla-core importable transformers runs fla-core's kernel here, whose fifth
+        # positional parameter is not beta
+        o_tf, state_tf = torch_recurrent_gated_delta_rule(q, k, v.view(1, 1, HV, V), g=g.view(1, 1, HV),
+                                                          beta=inp["b"].float().sigmoid().view(1, 1, HV),
+                                                          initial_state=state_tf, output_final_state=True,
+                                                          use_qk_l2norm_in_kernel=True)
         gdn_decode(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V,
                    out=torch.empty(1, HV * V, device=DEV))
         assert rel(inp["state"], state_tf.transpose(-1, -2)) <= 1e-4

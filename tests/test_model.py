@@ -116,3 +116,48 @@ def test_bundled_model_reads_a_heldout_page():
     assert text.startswith("# ")
     # An untrained model scores ~1.0 here; the trained one (held-out NED 0.0015) reads it.
     assert ned(text, prefix) < 0.05, (text, prefix)
+
+
+def test_route_by_device_keeps_cpu_inputs_on_transformers_torch_functions():
+    """With fla-core installed transformers binds Qwen3.5's GDN functions to its Triton kernels for
+    every device, and CPU tensors then fail inside Triton. Routed, a CUDA input still reaches the
+    bound kernel and a CPU input transformers' own torch function, with only the keywords it takes.
+    CI has no fla-core, so the routing of transformers' module is forced here."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from ocriaquant.model.route_kernels import _NAMES, route_by_device, routed
+
+    def bound(x, *args, **kwargs):
+        raise RuntimeError("the GPU kernel ran")
+
+    def reference(x, y, scale=1.0):
+        return x * scale + y
+
+    f = routed(bound, reference)
+    x = torch.ones(3)
+    assert torch.equal(f(x, x, scale=2.0, cu_seqlens=None), torch.full((3,), 3.0))
+
+    class OnCuda:
+        is_cuda = True
+
+    with pytest.raises(RuntimeError, match="GPU kernel ran"):
+        f(OnCuda(), x)
+    before = {n: getattr(m, n) for n in _NAMES}
+    try:
+        for n, fn in before.items():  # as transformers bound them (load_model may have routed them already)
+            setattr(m, n, getattr(fn, "bound", fn))
+        assert sorted(route_by_device(force=True)) == sorted(_NAMES)
+        assert route_by_device(force=True) == []  # idempotent
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 5, 2, 8, generator=g) for _ in range(3))
+        gate, beta = -torch.rand(1, 5, 2, generator=g), torch.rand(1, 5, 2, generator=g)
+        kw = dict(g=gate, beta=beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  cu_seqlens=None)
+        got = m.torch_chunk_gated_delta_rule(q, k, v, **kw)
+        want = inspect.unwrap(m.torch_chunk_gated_delta_rule.bound)(q, k, v, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    finally:
+        for n, fn in before.items():
+            setattr(m, n, fn)

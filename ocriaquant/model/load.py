@@ -53,8 +53,11 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "bf16
     """(model, processor) from a local Qwen3.5 directory; the bundled model when `model` is None."""
     from transformers import Qwen3_5ForConditionalGeneration
 
+    from .route_kernels import route_by_device
+
     model_dir = resolve_model_dir(model)
     read_config(model_dir)
+    route_by_device()  # fla-core's kernels for CUDA inputs only: on the CPU transformers' torch functions
     net = Qwen3_5ForConditionalGeneration.from_pretrained(model_dir, dtype=to_dtype(dtype), device_map=device)
     net.eval()
     return net, load_processor(model_dir)

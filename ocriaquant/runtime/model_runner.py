@@ -50,6 +50,9 @@ class RuntimeModel(nn.Module):
         from transformers import Qwen3_5Config
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, Qwen3_5VisionModel
 
+        from ..model.route_kernels import route_by_device
+
+        route_by_device()  # the torch backend on the CPU calls transformers' GDN functions (layers.py)
         if source is None:
             model_dir, _, store, kinds = open_checkpoint(path)
             self.config = Qwen3_5Config.from_pretrained(model_dir)

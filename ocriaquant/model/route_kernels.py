@@ -38,7 +38,7 @@ def routed(bound: Callable, reference: Callable) -> Callable:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
         return reference(x, *args, **kwargs)
 
-    call.routed_by_device, call.bound = True, bound
+    call.bound = bound  # marks it routed (route_by_device is idempotent) and keeps the kernel for tests
     return call
 
 
@@ -53,7 +53,7 @@ def route_by_device(force: bool = False) -> list[str]:
     done = []
     for name in _NAMES:
         bound = getattr(module, name, None)
-        if bound is None or getattr(bound, "routed_by_device", False):
+        if bound is None or hasattr(bound, "bound"):  # absent, or routed already
             continue
         reference = inspect.unwrap(bound)
         if reference is bound:  # not a kernel-bound wrapper in this transformers version

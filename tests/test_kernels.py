@@ -48,8 +48,8 @@ def test_quant_fp8_per_token_slices(m, k):
         assert torch.equal(h, q.to(torch.float16) * 2.0**-8)
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (5, 40, 768, 1), (16, 32, 1024, 3),
-                                         (33, 16, 256, 1)])
+@pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (1, 40, 640, 2), (5, 40, 768, 1),
+                                         (16, 32, 1024, 3), (33, 16, 256, 1)])
 def test_gemv_fp8(m, n, k, split):
     from ocriaquant.quant import fp8
     from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token
@@ -488,6 +488,26 @@ def test_nvfp4_x_pairs_equal_reference():
     big = x.double().abs() >= x.double().reshape(3, -1, 16).abs().amax(-1).repeat_interleave(16, -1) * 2.0**-29
     big[1, 16:32] = False
     assert torch.equal(back[big], x.double()[big])
+
+
+def test_tile_override_replaces_the_rule_for_one_shape(monkeypatch):
+    """OCRIAQUANT_TILE_<kind>_<n>x<k> (how tiles are re-swept inside the decode step) replaces the
+    built-in tile of that one shape; a malformed value names the variable and the expected form."""
+    from ocriaquant.runtime.kernels.tiles import m1_tile
+
+    rule = m1_tile("nvfp4", 2560, 9216)
+    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x9216", "32,1024,4,2")
+    assert m1_tile("nvfp4", 2560, 9216) == dict(block_n=32, block_k=1024, num_warps=4, split_k=2) != rule
+    assert m1_tile("fp8", 2560, 9216) != m1_tile("nvfp4", 2560, 9216)  # other kinds and shapes keep theirs
+    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_silu_18432x2560", "64,512,8")
+    assert m1_tile("nvfp4_silu", 18432, 2560) == dict(block_n=64, block_k=512, num_warps=8)
+    for bad in ("64,512", "64,500,8", "a,b,c", "64,512,8,0"):
+        monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x9216", bad)
+        with pytest.raises(ValueError, match="OCRIAQUANT_TILE_nvfp4_2560x9216"):
+            m1_tile("nvfp4", 2560, 9216)
+    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_silu_18432x2560", "64,512,8,2")  # the SiLU kernel has no split
+    with pytest.raises(ValueError, match="no split_k"):
+        m1_tile("nvfp4_silu", 18432, 2560)
 
 
 def test_pdl_only_on_the_gpu(monkeypatch):

@@ -17,21 +17,27 @@ import triton.language as tl
 
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
-from .half2 import fp8_pairs, fp8_quad_dot, load_pairs
+from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
 from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
                      wait_for_inputs)
 
 
 @triton.jit
-def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl.constexpr):
+def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl.constexpr, WHOLE: tl.constexpr):
     """Words 4q … 4q+3 of quads q0 … q0+NQ-1 (< q_end) of rows rn, as four [BN, NQ] tensors. Loaded as
     one [BN, 4·NQ] tile (one 16-byte load per thread and quad) and split in registers: four
-    strided 4-byte loads instead read each sector four times."""
-    wmask = nmask[:, None] & (q0 + tl.arange(0, NQ) < q_end)[None, :]
+    strided 4-byte loads instead read each sector four times. WHOLE: the split's K range is whole
+    tiles, so the mask is constant along K and is built in the load's own shape: through the
+    reshape of a [BN, NQ] mask Triton 3.6 loses that constancy and loads 4 bytes at a time (on an
+    H200 the mixed plan's batch-1 step took 1.99 -> 1.965 ms with 16-byte loads, BENCHMARKS.md)."""
     rw = tl.arange(0, 4 * NQ)
-    v = tl.load(w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :],
-                mask=tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NQ, 4)), (BN, 4 * NQ)), other=0,
+    if WHOLE:
+        vmask = nmask[:, None] & (rw * 0 + q0 < q_end)[None, :]
+    else:
+        wmask = nmask[:, None] & (q0 + tl.arange(0, NQ) < q_end)[None, :]
+        vmask = tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NQ, 4)), (BN, 4 * NQ))
+    v = tl.load(w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :], mask=vmask, other=0,
                 eviction_policy="evict_first")
     even, odd = tl.split(tl.reshape(v, (BN, NQ, 2, 2)))
     v0, v2 = tl.split(even)
@@ -42,7 +48,7 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
 @triton.jit
 def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
-                        PDL: tl.constexpr, PARTIALS: tl.constexpr):
+                        PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -51,14 +57,20 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
     rq = tl.arange(0, NQ)
     acc = tl.zeros((BN, NQ), dtype=tl.float32)
     q_end = k_end // 16
-    v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, k_start // 16, nmask, q_end, BN, NQ)
+    q_first = k_start // 16
+    if WHOLE:  # splits start on a whole K-tile (16-byte aligned rows: see the launch)
+        q_first = tl.multiple_of(q_first, NQ)
+    v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE)
     wait_for_inputs(PDL)
-    for q0 in range(k_start // 16, q_end, NQ):
+    for q0 in range(q_first, q_end, NQ):
         # the next tile's loads go out before this one is computed: latency bounds these shapes
-        n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ)
+        n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE)
         kq = q0 + rq                                         # quad index along K
         qmask = kq < q_end
-        p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, qmask)
+        if V4:  # whole tiles, 16-byte aligned pairs, GPU: each quad's eight words in two 16-byte loads
+            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xh_ptr + kq * 8)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, qmask)
         acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -73,11 +85,13 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
     pdl = use_pdl(x_q.device, pdl)
     if x_half is None:  # E4M3 -> fp16 is exact, and so is the power of two
         x_half = x_q.to(torch.float16) * 0.00390625
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    whole = k % block_k == 0  # every split is whole K-tiles (launch_plan): no K mask, 16-byte loads
     _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(), w_q.view(torch.int32),
                               w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
-                              NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                              NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
                               num_warps=num_warps, num_stages=num_stages, PDL=pdl, PARTIALS=partials,
-                              launch_pdl=pdl)
+                              WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp, launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

@@ -91,8 +91,11 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
     else:
         wmask = nmask[:, None] & (kb < b_end)[None, :]
     rw = tl.arange(0, 2 * NB)
-    v = tl.load(w_ptr + rn[:, None] * stride_wn + 2 * b0 + rw[None, :],
-                mask=tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NB, 2)), (BN, 2 * NB)), other=0,
+    if WHOLE:  # built in the load's own shape: through a reshape Triton 3.6 loses its constancy along K (4-byte loads)
+        vmask = nmask[:, None] & (rw * 0 + b0 < b_end)[None, :]
+    else:
+        vmask = tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NB, 2)), (BN, 2 * NB))
+    v = tl.load(w_ptr + rn[:, None] * stride_wn + 2 * b0 + rw[None, :], mask=vmask, other=0,
                 eviction_policy="evict_first")
     v0, v1 = tl.split(tl.reshape(v, (BN, NB, 2)))
     s_off = rn[:, None] * stride_sn + kb[None, :]
@@ -143,7 +146,10 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
             p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xw_ptr + kb * 8)
         else:
             p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
-        xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
+        if WHOLE:  # the tile is in range as a whole: unmasked, the block scales load 16 bytes at a time
+            xs = tl.load(xs_ptr + kb)
+        else:
+            xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
         part = nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX)
         if INTERPRET:
             acc += part * (e4m3_value(s) * xs[None, :])

@@ -17,15 +17,27 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8, NVFP4 16 × 512 split 4.
   Session 7's sweep with the M1_LAYOUT decoder preferred other NVFP4 tiles in isolation (down_proj
   32 × 512 split 8, out_proj 8 × 1024); inside the decode step they were 15–25 µs slower at
-  batch 1 on the same machine (BENCHMARKS.md), so these stay.
+  batch 1 on the same machine (BENCHMARKS.md), so these stay. Session 16, once the weights
+  loaded 16 bytes at a time, re-swept FP8 / NVFP4 inside the step: NVFP4 down_proj 128 × 512
+  (split 8, 8 warps) took the mixed plan from 1.94 to 1.865 ms; the FP8 input-projection and
+  out_proj alternatives were equal or slower.
+
+OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
+shape (kind: bf16, fp8, nvfp4, nvfp4_silu): how a tile is re-swept inside the decode step, or
+tuned for a GPU other than the H200, without editing code.
 """
 
 from __future__ import annotations
+
+import os
 
 
 def m1_tile(kind: str, n: int, k: int) -> dict:
     """Keyword arguments for gemv_bf16 / gemv_fp8 / gemv_nvfp4 at M = 1; kind "nvfp4_silu":
     gemv_nvfp4_silu (whole 16-value blocks per tile, no split)."""
+    override = tile_override(kind, n, k)
+    if override is not None:
+        return override
     if kind == "nvfp4_silu":
         return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
     wide_k = k >= 4096 and k % 1024 == 0
@@ -35,7 +47,7 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         if head:
             return dict(block_n=64, block_k=256)
         if wide_k and k >= 8192:
-            return dict(block_n=64, block_k=512, split_k=8, num_warps=8)
+            return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
         if wide_k:
             return dict(block_n=64, block_k=256, split_k=8) if fp8 else dict(block_n=16, block_k=512, split_k=4)
         if n <= 12288 and k % 512 == 0:
@@ -46,3 +58,20 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
     if 8192 <= n <= 16384:  # the input projections (GDN's four, attention's q/k/v)
         return dict(block_n=8, block_k=512 if k % 512 == 0 else 256)
     return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)
+
+
+def tile_override(kind: str, n: int, k: int) -> dict | None:
+    """The tile OCRIAQUANT_TILE_<kind>_<n>x<k> asks for, or None when it is unset."""
+    name = f"OCRIAQUANT_TILE_{kind}_{n}x{k}"
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        v = [int(t) for t in value.split(",")]
+    except ValueError:
+        v = []
+    if len(v) not in (3, 4 - (kind == "nvfp4_silu")) or min(v) <= 0 or any(t & (t - 1) for t in v[:3]):
+        raise ValueError(f"{name}={value!r}: expected 'block_n,block_k,num_warps[,split_k]' (no split_k for "
+                         "nvfp4_silu), positive integers, the first three powers of two (e.g. 128,512,8,8); "
+                         "unset it to use the built-in rule")
+    return dict(block_n=v[0], block_k=v[1], num_warps=v[2], **({"split_k": v[3]} if len(v) == 4 else {}))

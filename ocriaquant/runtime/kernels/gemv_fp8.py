@@ -20,7 +20,7 @@ from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
 from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
-                     wait_for_inputs)
+                     wait_for_inputs, whole_tile_mask)
 
 
 @triton.jit
@@ -28,12 +28,11 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
     """Words 4q … 4q+3 of quads q0 … q0+NQ-1 (< q_end) of rows rn, as four [BN, NQ] tensors. Loaded as
     one [BN, 4·NQ] tile (one 16-byte load per thread and quad) and split in registers: four
     strided 4-byte loads instead read each sector four times. WHOLE: the split's K range is whole
-    tiles, so the mask is constant along K and is built in the load's own shape: through the
-    reshape of a [BN, NQ] mask Triton 3.6 loses that constancy and loads 4 bytes at a time (on an
-    H200 the mixed plan's batch-1 step took 1.99 -> 1.965 ms with 16-byte loads, BENCHMARKS.md)."""
+    tiles, so the mask is constant along K (splitk.whole_tile_mask: 16-byte loads under Triton 3.6;
+    on an H200 the mixed plan's batch-1 step took 1.99 -> 1.965 ms with them, BENCHMARKS.md)."""
     rw = tl.arange(0, 4 * NQ)
     if WHOLE:
-        vmask = nmask[:, None] & (rw * 0 + q0 < q_end)[None, :]
+        vmask = whole_tile_mask(nmask, rw, q0, q_end)
     else:
         wmask = nmask[:, None] & (q0 + tl.arange(0, NQ) < q_end)[None, :]
         vmask = tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NQ, 4)), (BN, 4 * NQ))
@@ -66,11 +65,10 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         # the next tile's loads go out before this one is computed: latency bounds these shapes
         n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE)
         kq = q0 + rq                                         # quad index along K
-        qmask = kq < q_end
         if V4:  # whole tiles, 16-byte aligned pairs, GPU: each quad's eight words in two 16-byte loads
             p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xh_ptr + kq * 8)
         else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, qmask)
+            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, kq < q_end)
         acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
         v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)

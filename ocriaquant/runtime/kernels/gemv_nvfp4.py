@@ -33,7 +33,7 @@ from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, load_pairs_v4, nvfp4_
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
 from .splitk import (Partials, launch_plan, partials_view, split_tile, store_or_reduce, store_row, use_pdl,
-                     wait_for_inputs)
+                     wait_for_inputs, whole_tile_mask)
 
 
 @triton.jit
@@ -86,14 +86,12 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
     each thread load 16 bytes where a per-block mask allowed 8: half the weight loads, the same
     SASS loop length otherwise (BENCHMARKS.md, session 10)."""
     kb = b0 + tl.arange(0, NB)
-    if WHOLE:  # a block, not a scalar compare: the interpreter rejects scalar masks
-        wmask = nmask[:, None] & (kb * 0 + b0 < b_end)[None, :]
+    rw = tl.arange(0, 2 * NB)
+    if WHOLE:  # a block, not a scalar compare (the interpreter rejects scalar masks), in each load's shape
+        wmask = whole_tile_mask(nmask, kb, b0, b_end)
+        vmask = whole_tile_mask(nmask, rw, b0, b_end)
     else:
         wmask = nmask[:, None] & (kb < b_end)[None, :]
-    rw = tl.arange(0, 2 * NB)
-    if WHOLE:  # built in the load's own shape: through a reshape Triton 3.6 loses its constancy along K (4-byte loads)
-        vmask = nmask[:, None] & (rw * 0 + b0 < b_end)[None, :]
-    else:
         vmask = tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NB, 2)), (BN, 2 * NB))
     v = tl.load(w_ptr + rn[:, None] * stride_wn + 2 * b0 + rw[None, :], mask=vmask, other=0,
                 eviction_policy="evict_first")

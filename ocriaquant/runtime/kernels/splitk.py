@@ -89,6 +89,15 @@ def split_tile(N, K, K_PER_SPLIT, BN: tl.constexpr):
 
 
 @triton.jit
+def whole_tile_mask(nmask, cols, t0, t_end):
+    """The mask of a [rows, len(cols)] tile at K position t0 of a split whose K range is whole tiles
+    (split_tile with K_PER_SPLIT and K multiples of the tile): rows nmask, every column the same,
+    t0 < t_end. Built in the load's own shape: a mask reshaped into it loses its constancy along K
+    under Triton 3.6 (the device's compiler), and the load goes 4 bytes at a time."""
+    return nmask[:, None] & (cols * 0 + t0 < t_end)[None, :]
+
+
+@triton.jit
 def start_after_producer(PDL: tl.constexpr):
     """First statement of a small PDL-launched kernel (norms, activation quantization, attention):
     let the kernel after it launch now — a GEMV, which streams weights until it waits on this

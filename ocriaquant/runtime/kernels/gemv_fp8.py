@@ -20,24 +20,30 @@ from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
 from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
-                     wait_for_inputs, whole_tile_mask)
+                     wait_for_inputs)
 
 
 @triton.jit
-def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl.constexpr, WHOLE: tl.constexpr):
+def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl.constexpr, WHOLE: tl.constexpr,
+                EVEN_N: tl.constexpr = False):
     """Words 4q … 4q+3 of quads q0 … q0+NQ-1 (< q_end) of rows rn, as four [BN, NQ] tensors. Loaded as
     one [BN, 4·NQ] tile (one 16-byte load per thread and quad) and split in registers: four
     strided 4-byte loads instead read each sector four times. WHOLE: the split's K range is whole
-    tiles, so the mask is constant along K (splitk.whole_tile_mask: 16-byte loads under Triton 3.6;
-    on an H200 the mixed plan's batch-1 step took 1.99 -> 1.965 ms with them, BENCHMARKS.md)."""
+    tiles and this tile lies inside it (the kernel peels the last one), so only N can mask, with a
+    mask constant along K (as splitk.whole_tile_mask builds it: 16-byte loads under Triton 3.6; on
+    an H200 the mixed plan's batch-1 step took 1.99 -> 1.965 ms with them, BENCHMARKS.md); with
+    EVEN_N too, no mask at all, and no zero-fill of the destination registers before each load."""
     rw = tl.arange(0, 4 * NQ)
-    if WHOLE:
-        vmask = whole_tile_mask(nmask, rw, q0, q_end)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :]
+    if WHOLE and EVEN_N:
+        v = tl.load(w_ptrs, eviction_policy="evict_first")
+    elif WHOLE:
+        # rows only, built in the load's shape (splitk.whole_tile_mask says why)
+        v = tl.load(w_ptrs, mask=nmask[:, None] & (rw * 0 == 0)[None, :], other=0, eviction_policy="evict_first")
     else:
         wmask = nmask[:, None] & (q0 + tl.arange(0, NQ) < q_end)[None, :]
         vmask = tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NQ, 4)), (BN, 4 * NQ))
-    v = tl.load(w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :], mask=vmask, other=0,
-                eviction_policy="evict_first")
+        v = tl.load(w_ptrs, mask=vmask, other=0, eviction_policy="evict_first")
     even, odd = tl.split(tl.reshape(v, (BN, NQ, 2, 2)))
     v0, v2 = tl.split(even)
     v1, v3 = tl.split(odd)
@@ -45,32 +51,47 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
 
 
 @triton.jit
+def _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ: tl.constexpr, INTERPRET: tl.constexpr, V4: tl.constexpr):
+    """acc + one tile's quad sums (words v0..v3 of quads q0 …) against the activation pairs."""
+    kq = q0 + tl.arange(0, NQ)                               # quad index along K
+    if V4:  # whole tiles, 16-byte aligned pairs, GPU: each quad's eight words in two 16-byte loads
+        p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xh_ptr + kq * 8)
+    else:
+        p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, kq < q_end)
+    return acc + fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
+
+
+@triton.jit
 def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
-                        PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr):
+                        PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
+                        EVEN_N: tl.constexpr):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
     The activations arrive as fp16 pairs (half2.fp8_pairs: codes × 2^-8, xh int32 [K/2])."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
-    rq = tl.arange(0, NQ)
     acc = tl.zeros((BN, NQ), dtype=tl.float32)
     q_end = k_end // 16
     q_first = k_start // 16
     if WHOLE:  # splits start on a whole K-tile (16-byte aligned rows: see the launch)
         q_first = tl.multiple_of(q_first, NQ)
-    v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE)
+    v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
     wait_for_inputs(PDL)
-    for q0 in range(q_first, q_end, NQ):
-        # the next tile's loads go out before this one is computed: latency bounds these shapes
-        n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE)
-        kq = q0 + rq                                         # quad index along K
-        if V4:  # whole tiles, 16-byte aligned pairs, GPU: each quad's eight words in two 16-byte loads
-            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xh_ptr + kq * 8)
-        else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xh_ptr + kq * 8, kq < q_end)
-        acc += fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, not INTERPRET)
-        v0, v1, v2, v3 = n0, n1, n2, n3
+    # The next tile's loads go out before this one is computed: latency bounds these shapes.
+    if WHOLE:  # the last tile is peeled, so the loop's loads are always in range along K: no K mask, no
+        # zero-fill (Triton 3.6: gdn_in's loop 241 -> 219 instructions; mixed batch 1 on an H200
+        # 1.863 -> 1.851 ms, BENCHMARKS.md, session 17)
+        for q0 in range(q_first, q_end - NQ, NQ):
+            n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
+            acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
+            v0, v1, v2, v3 = n0, n1, n2, n3
+        acc = _quads_acc(acc, v0, v1, v2, v3, q_end - NQ, q_end, xh_ptr, NQ, INTERPRET, V4)
+    else:
+        for q0 in range(q_first, q_end, NQ):
+            n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE)
+            acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
+            v0, v1, v2, v3 = n0, n1, n2, n3
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 
@@ -89,7 +110,8 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                               w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
                               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
                               num_warps=num_warps, num_stages=num_stages, PDL=pdl, PARTIALS=partials,
-                              WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp, launch_pdl=pdl)
+                              WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
+                              EVEN_N=n % block_n == 0, launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

@@ -20,7 +20,7 @@ from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
 from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
-                     wait_for_inputs)
+                     wait_for_inputs, whole_tile_mask)
 
 
 @triton.jit
@@ -30,16 +30,15 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
     one [BN, 4·NQ] tile (one 16-byte load per thread and quad) and split in registers: four
     strided 4-byte loads instead read each sector four times. WHOLE: the split's K range is whole
     tiles and this tile lies inside it (the kernel peels the last one), so only N can mask, with a
-    mask constant along K (as splitk.whole_tile_mask builds it: 16-byte loads under Triton 3.6; on
-    an H200 the mixed plan's batch-1 step took 1.99 -> 1.965 ms with them, BENCHMARKS.md); with
-    EVEN_N too, no mask at all, and no zero-fill of the destination registers before each load."""
+    mask constant along K (splitk.whole_tile_mask: 16-byte loads under Triton 3.6; on an H200 the
+    mixed plan's batch-1 step took 1.99 -> 1.965 ms with them, BENCHMARKS.md); with EVEN_N too,
+    no mask at all, and no zero-fill of the destination registers before each load."""
     rw = tl.arange(0, 4 * NQ)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :]
     if WHOLE and EVEN_N:
         v = tl.load(w_ptrs, eviction_policy="evict_first")
     elif WHOLE:
-        # rows only, built in the load's shape (splitk.whole_tile_mask says why)
-        v = tl.load(w_ptrs, mask=nmask[:, None] & (rw * 0 == 0)[None, :], other=0, eviction_policy="evict_first")
+        v = tl.load(w_ptrs, mask=whole_tile_mask(nmask, rw, q0, q_end), other=0, eviction_policy="evict_first")
     else:
         wmask = nmask[:, None] & (q0 + tl.arange(0, NQ) < q_end)[None, :]
         vmask = tl.reshape(tl.broadcast_to(wmask[:, :, None], (BN, NQ, 4)), (BN, 4 * NQ))
@@ -78,20 +77,19 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         q_first = tl.multiple_of(q_first, NQ)
     v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
     wait_for_inputs(PDL)
-    # The next tile's loads go out before this one is computed: latency bounds these shapes.
-    if WHOLE:  # the last tile is peeled, so the loop's loads are always in range along K: no K mask, no
-        # zero-fill (Triton 3.6: gdn_in's loop 241 -> 219 instructions; mixed batch 1 on an H200
-        # 1.863 -> 1.851 ms, BENCHMARKS.md, session 17)
-        for q0 in range(q_first, q_end - NQ, NQ):
-            n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
-            acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
-            v0, v1, v2, v3 = n0, n1, n2, n3
-        acc = _quads_acc(acc, v0, v1, v2, v3, q_end - NQ, q_end, xh_ptr, NQ, INTERPRET, V4)
+    # The next tile's loads go out before this one is computed: latency bounds these shapes. The
+    # last tile is peeled, so with whole tiles the loop's loads are always in range along K: no K
+    # mask, no zero-fill (Triton 3.6: gdn_in's loop 241 -> 219 instructions; mixed batch 1 on an
+    # H200 1.863 -> 1.851 ms, BENCHMARKS.md, session 17). Otherwise the last tile may be partial.
+    if WHOLE:
+        q_last = q_end - NQ
     else:
-        for q0 in range(q_first, q_end, NQ):
-            n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE)
-            acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
-            v0, v1, v2, v3 = n0, n1, n2, n3
+        q_last = q_first + (q_end - 1 - q_first) // NQ * NQ
+    for q0 in range(q_first, q_last, NQ):
+        n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
+        acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
+        v0, v1, v2, v3 = n0, n1, n2, n3
+    acc = _quads_acc(acc, v0, v1, v2, v3, q_last, q_end, xh_ptr, NQ, INTERPRET, V4)
     y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 

@@ -73,6 +73,35 @@ def test_gemv_fp8(m, n, k, split):
         gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
 
 
+@pytest.mark.parametrize("n,k,split,parts", [(48, 512, None, 1), (40, 768, 2, 3), (40, 640, 2, 16), (64, 1024, 4, 4)])
+def test_gemv_fp8_quantizing_equals_quant_then_gemv(n, k, split, parts):
+    """Batch 1, the bf16 row quantized inside the GEMV from its absmax in parts: bit for bit the
+    output of quant_fp8_per_token then gemv_fp8 (same codes, same sums), whole and split K,
+    partial sums too. Twice: each CTA's scratch is rewritten."""
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_quantizing, gemv_fp8_ref, quant_fp8_per_token
+
+    torch.manual_seed(n + k + parts)
+    w_q, w_s = fp8.quantize_weight(torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
+    for call in range(2):
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV) * (3 + call)
+        x[0, k // 3] = 40.0 * (call + 1)  # one outlier sets the scale
+        cut = torch.linspace(0, k, parts + 1).long().tolist()
+        amax = torch.stack([x[0, a:b].float().abs().amax() for a, b in zip(cut, cut[1:])])
+        q, s, h = quant_fp8_per_token(x, half=True)
+        want = gemv_fp8(q, s, w_q, w_s, x_half=h, split_k=split)
+        got = gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, n), split_k=split)
+        assert torch.equal(got, want), call
+        assert rel(got, gemv_fp8_ref(q, s, w_q, w_s)) <= 1e-2
+        if split:
+            # a clone: partials are views of the workspace the next GEMV of the shape rewrites
+            pw = gemv_fp8(q, s, w_q, w_s, x_half=h, split_k=split, partials=True).parts.clone()
+            pg = gemv_fp8_quantizing(x, amax, w_q, w_s, split_k=split, partials=True)
+            assert torch.equal(pg.parts, pw)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        gemv_fp8_quantizing(torch.zeros(2, k, dtype=torch.bfloat16, device=DEV), amax, w_q, w_s)
+
+
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (1, 40, 640, 2), (7, 32, 768, 2),
                                          (20, 16, 1024, 1)])
 def test_gemv_nvfp4(m, n, k, split):
@@ -320,6 +349,12 @@ def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
         assert len(got) == len(want) and all(torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
                                                          w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
                                               for g, w in zip(got, want))
+    # quant="amax": the same output, and each key head's max |out| over its G·V values (what
+    # gemv_fp8_quantizing reads at batch 1); a padding row's parts are 0
+    inp3 = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
+    o3, amax = gdn_decode(**inp3, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, v_blocks=vb, quant="amax")
+    assert torch.equal(o3, o) and amax.shape == (4, H)
+    assert torch.equal(amax, o3.float().abs().reshape(4, H, -1).amax(-1))
 
 
 def test_gdn_decode_two_steps_equal_transformers_recurrence():
@@ -388,6 +423,9 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     assert torch.equal(o, gated)
     want_q, want_s = quant_fp8_per_token(o.reshape(4, -1))
     assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s8, want_s)
+    # quant="amax": the same output, and each head's max |out| (gemv_fp8_quantizing's input at batch 1)
+    o2, amax = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:], quant="amax")
+    assert torch.equal(o2, gated) and torch.equal(amax, gated.float().abs().amax(-1))
 
 
 @pytest.mark.parametrize("heads,kvh,hd,rot", [(4, 2, 32, 8), (16, 4, 256, 64)])
@@ -413,6 +451,61 @@ def test_qk_norm_rope_equals_torch_ops(heads, kvh, hd, rot):
     want = qk_norm_rope_ref(q, k, v, qw, kw, 1e-6, cos, sin, *ref_caches, slots, lengths)
     assert torch.equal(got, want)
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+@pytest.mark.parametrize("shape", ["tiny", "qwen3.5-4b"])
+def test_step_inputs_equal_the_torch_ops(shape):
+    """The embedding rows, cos / sin gathered from the rope tables, and the int32 ids equal, bit
+    for bit, what the torch backend computes each step (the rotary module at length + delta),
+    from strided rows of a step's meta."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from ocriaquant.model.configs import SHAPES, tiny_config
+    from ocriaquant.runtime.kernels import rope_tables, step_inputs, step_inputs_ref
+
+    tc = (tiny_config() if shape == "tiny" else SHAPES[shape]()).text_config
+    rotary = Qwen3_5TextRotaryEmbedding(tc).to(DEV)
+    max_len, vocab, d = 3000, 300, 160
+    torch.manual_seed(len(shape))
+    embed = torch.randn(vocab, d, dtype=torch.bfloat16, device=DEV)
+    cos_t, sin_t = rope_tables(rotary, max_len, DEV, torch.bfloat16)
+    meta = torch.zeros(4, 8, dtype=torch.long, device=DEV)  # a bucket of 8, 5 rows used
+    meta[:, :5] = torch.tensor([[7, 0, 299, 42, 1], [0, 3, 1, 8, 2], [0, 5, 2999, 2000, 700],
+                                [0, 0, -999, -7, -700]], device=DEV)
+    rows = [r[:5] for r in meta]
+    got = step_inputs(*rows, embed, cos_t, sin_t)
+    want = step_inputs_ref(*rows, embed, rotary, torch.bfloat16)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("b,v", [(1, 5000), (3, 248320), (2, 4096)])
+def test_greedy_advance_equals_argmax_and_meta_update(b, v):
+    """Each row's argmax (ties to the first index, a NaN first, as torch.argmax), written as the
+    tokens and the next step's input: lengths + 1 except on the sentinel slot. Twice: the tickets
+    reset themselves."""
+    from ocriaquant.runtime.kernels import greedy_advance, greedy_advance_ref
+
+    torch.manual_seed(b * v)
+    sentinel = 9
+    for call in range(2):
+        logits = torch.randn(b, v, dtype=torch.bfloat16, device=DEV) * 4
+        logits[0, v // 3] = logits[0, v - 1] = 40.0  # a tie across chunks: the first wins
+        if b > 1:
+            logits[1, v - 2] = float("nan")  # a NaN beats every number, as in torch.argmax
+            logits[1, v - 1] = float("nan")
+        if b > 2:
+            logits[2] = float("-inf")  # all -inf: index 0
+        meta = torch.tensor([[5] * b, [sentinel] + list(range(b - 1)), [10 * (i + 1) for i in range(b)], [0] * b],
+                            dtype=torch.long, device=DEV)
+        ref_meta = meta.clone()
+        got = greedy_advance(logits, meta[0], meta[1], meta[2], sentinel)
+        want = greedy_advance_ref(logits, ref_meta[0], ref_meta[1], ref_meta[2], sentinel)
+        assert torch.equal(got, want) and torch.equal(meta, ref_meta), call
+    assert int(want[0]) == v // 3 and meta[2, 0] == 10  # row 0 sits on the sentinel: its length stays
+    if b > 1:
+        assert int(want[1]) == v - 2 and meta[2, 1] == 21
 
 
 @pytest.mark.parametrize("b,d", [(3, 160), (1, 2560)])

@@ -92,8 +92,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """x_q: x already in the form this Linear's GEMV reads, written by the producer
-        (add_rmsnorm, silu_mul_quant): for FP8 (E4M3, scale[, fp16 pairs at M = 1]), for NVFP4
-        at M = 1 (words, block scales) (kernels/half2.py). The kernel path uses it instead of
+        (add_rmsnorm, silu_mul_quant): for FP8 (E4M3, scale[, fp16 pairs at M = 1]) or, at M = 1,
+        (x's absmax in parts,) (gdn_decode's quant="amax"), for NVFP4 at M = 1 (words, block
+        scales) (kernels/half2.py). The kernel path uses it instead of
         converting x again; the torch path ignores it. partials: the caller hands the output to
         add_rmsnorm, so a batch-1 GEMV that splits K may return its splits unreduced
         (runtime/partials.py; the decode step's residual producers)."""
@@ -109,12 +110,15 @@ class QuantLinear(nn.Module):
     def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """Decode (M <= 64): FP8 through gemv_fp8 at every M; BF16 and NVFP4 through their
         weight-streaming GEMVs at M = 1, cuBLAS above. `x_q`, `partials`: see forward."""
-        from .kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token
+        from .kernels import gemv_bf16, gemv_fp8, gemv_fp8_quantizing, gemv_nvfp4, quant_fp8_per_token
 
         m = x.shape[0]
         tile = self._m1_tile() if m == 1 else {}
-        # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs
+        # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs, fp32 for
+        # x's absmax in parts (batch 1, FP8: quantized inside the GEMV)
         form = None if x_q is None else x_q[0].dtype
+        if self.kind == "fp8" and form == torch.float32 and m == 1:
+            return gemv_fp8_quantizing(x, x_q[0], self.w_q, self.w_scale, partials=partials, **tile)
         if self.kind == "fp8":
             q, s, *half = x_q if form == torch.float8_e4m3fn else quant_fp8_per_token(x.contiguous(), half=m == 1)
             return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, partials=partials, **tile)
@@ -408,11 +412,16 @@ class GatedDeltaNet(nn.Module):
             # B programs fewer (batch 64: 7.43 -> 6.58 ms a step on an H200). At batch 1 the row's
             # quantization in one program at the end of gdn_decode cost more than the separate
             # PDL-launched kernel (2.29 -> 2.38 ms, BENCHMARKS.md, session 7).
-            fp8_out = self.out_proj.kind == "fp8" and self.out_proj.uses_kernels(x) and x.shape[0] > 1
+            # At batch 1 it hands out_proj its output's absmax in parts instead, and out_proj's GEMV
+            # quantizes (gemv_fp8_quantizing): the quantization kernel between the two is gone.
+            fp8 = self.out_proj.kind == "fp8" and self.out_proj.uses_kernels(x)
+            quant = None if not fp8 else ("fp8" if x.shape[0] > 1 else "amax")
             o = gdn_decode(p["in_proj_qkv"], p["in_proj_z"], p["in_proj_a"], p["in_proj_b"], state["conv"],
                            self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, state["ssm"], step.slots32,
-                           self.H, self.K, self.V, self.eps, quant="fp8" if fp8_out else None)
-            return self.out_proj(*o, partials=partials) if fp8_out else self.out_proj(o, partials=partials)
+                           self.H, self.K, self.V, self.eps, quant=quant)
+            if quant == "amax":
+                return self.out_proj(o[0], (o[1],), partials=partials)
+            return self.out_proj(*o, partials=partials) if quant else self.out_proj(o, partials=partials)
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         slots = step.slots
@@ -491,12 +500,15 @@ class Attention(nn.Module):
             qg = qg.reshape(b, -1, 2 * hd)  # per head: q, then its output gate
             q = qk_norm_rope(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
                              step.sin, state["k"], state["v"], step.slots32, step.lengths32)
-            # above batch 1 an FP8 o_proj's input is quantized in the merge launch (as gdn_decode does)
-            fp8_out = self.o_proj.kind == "fp8" and self.o_proj.uses_kernels(x) and b > 1
+            # An FP8 o_proj's input: above batch 1 quantized in the merge launch, at batch 1 quantized
+            # inside o_proj's GEMV from the absmax parts the merge writes (as gdn_decode does)
+            fp8 = self.o_proj.kind == "fp8" and self.o_proj.uses_kernels(x)
+            quant = None if not fp8 else ("fp8" if b > 1 else "amax")
             o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:],
-                            quant="fp8" if fp8_out else None)
-            return self.o_proj(o[0].reshape(b, -1), o[1], partials) if fp8_out else \
-                self.o_proj(o.reshape(b, -1), partials=partials)
+                            quant=quant)
+            if quant is None:
+                return self.o_proj(o.reshape(b, -1), partials=partials)
+            return self.o_proj(o[0].reshape(b, -1), o[1] if quant == "fp8" else (o[1],), partials)
         q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]
         slots, lengths, span = step.slots, step.lengths, step.span
         state["k"][slots, :, lengths] = k[:, :, 0]

@@ -132,6 +132,11 @@ class RuntimeModel(nn.Module):
         self.device = torch.device(device)
         if backend == "triton":  # NVFP4 weights in the batch-1 kernel's bit order, made on the device
             self._pack_m1()
+            from .kernels.step_inputs import rope_tables
+
+            # a decode token's cos / sin by position, gathered by step_inputs (positions stay below max_len:
+            # lengths are checked against it, and Qwen3.5's M-RoPE deltas are never positive, see prefill)
+            self._rope_cos, self._rope_sin = rope_tables(self.rotary, max_len, self.device, dtype)
         self.sentinel = max_slots
         self.state = [layer.mixer.alloc_state(max_slots + 1, max_len, self.device, dtype)
                       if isinstance(layer.mixer, Attention) else layer.mixer.alloc_state(max_slots + 1, self.device, dtype)
@@ -169,6 +174,9 @@ class RuntimeModel(nn.Module):
             x[mask] = img.to(x.dtype)
             pos, delta = self.rope_index(ids[None], enc["mm_token_type_ids"].to(self.device), grid)
             pos, delta = pos[:, 0], int(delta.reshape(-1)[0])
+            if delta > 0 and self.backend == "triton":  # image positions take at most one per token: delta <= 0
+                raise OcriaError(f"an M-RoPE delta of {delta} > 0: decode positions would pass the runtime's "
+                                 f"rope tables (max_len {self.max_len}); this is not a Qwen3.5 position layout")
         else:
             pos, delta = torch.arange(ids.numel(), device=self.device)[None].expand(3, -1), 0
         cos, sin = self._rope(pos)
@@ -203,12 +211,14 @@ class RuntimeModel(nn.Module):
             span = int(lengths.max()) + 1  # one host sync a step, shared by every attention layer
             if span > self.max_len:
                 raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
-        cos, sin = self._rope((lengths + deltas)[None].expand(3, -1))
-        step = Step(slots, lengths, cos, sin, slots.to(torch.int32), lengths.to(torch.int32), span)
-        x = self.embed(tokens)
-        if self.backend == "triton":  # each residual add fused with the norm after it (and the form the next GEMVs read)
-            from .kernels import add_rmsnorm
+        if self.backend == "triton":
+            from .kernels import add_rmsnorm, step_inputs
 
+            # one launch for the embedding, cos / sin and the int32 ids
+            x, cos, sin, slots32, lengths32 = step_inputs(tokens, slots, lengths, deltas, self.embed.weight,
+                                                          self._rope_cos, self._rope_sin)
+            step = Step(slots, lengths, cos, sin, slots32, lengths32, span)
+            # Each residual add is fused with the norm after it (and the form the next GEMVs read).
             # h may be a batch-1 GEMV's split-K partial sums, which add_rmsnorm adds up (runtime/partials.py):
             # H200, mixed plan, batch 1: 2.24-2.27 -> 2.21 ms a step (BENCHMARKS.md, session 9)
             h = None
@@ -220,6 +230,9 @@ class RuntimeModel(nn.Module):
                 h = layer.mlp(n, *n_q, partials=True)
             _, n, *n_q = add_rmsnorm(x, h, self.norm.weight, self.norm.eps, self._head_quant)
             return self.lm_head(n, *n_q)
+        cos, sin = self._rope((lengths + deltas)[None].expand(3, -1))
+        step = Step(slots, lengths, cos, sin, slots.to(torch.int32), lengths.to(torch.int32), span)
+        x = self.embed(tokens)
         for layer, st in zip(self.layers, self.state):
             x = x + layer.mixer.decode(layer.input_layernorm(x), st, step)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -312,6 +325,10 @@ class RuntimeModel(nn.Module):
         """Greedy tokens of a step, also written into `meta` as the next step's input: each row's
         token, its length one more (not the padding rows', which stay at 0 on the sentinel slot).
         A step whose host writes `meta` first overwrites all of it."""
+        if self.backend == "triton":  # the argmax and the meta update in one launch
+            from .kernels import greedy_advance
+
+            return greedy_advance(logits, meta[0], meta[1], meta[2], self.sentinel)
         nxt = logits.argmax(-1)
         meta[0].copy_(nxt)
         meta[2].add_(meta[1] != self.sentinel)

@@ -104,8 +104,11 @@ def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, q8_ptr, qs_ptr, t
     if GATED:  # Qwen3.5's output gate, o · sigmoid(gate), each rounded to bf16 as torch does
         g = tl.load(g_ptr + b * stride_gb + h * stride_gh + rd).to(tl.float32)
         o = round_bf16(round_bf16(o) * round_bf16(1.0 / (1.0 + tl.exp(-g))))
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o.to(out_ptr.dtype.element_ty))
-    if QUANT:  # the row's last head quantizes the row
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o)
+    if QUANT == 2:  # this head's part of the row's absmax (gemv_fp8_quantizing), of the values as stored
+        tl.store(qs_ptr + b * HEADS + h, tl.max(tl.abs(o.to(tl.float32)), 0))
+    if QUANT == 1:  # the row's last head quantizes the row
         quant_fp8_row_when_last(tick_ptr + b, HEADS, out_ptr + b * stride_ob, q8_ptr + b * HEADS * HD, qs_ptr + b,
                                 qs_ptr, HEADS * HD, QB, False)
 
@@ -117,7 +120,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b], times
     sigmoid(gate) when `gate` [B, heads, hd] (strides free, hd contiguous) is given.
     quant="fp8": returns (out, (E4M3 [B, heads·hd], fp32 scale [B, 1])), each row quantized as
-    quant_fp8_per_token does, in the merge launch."""
+    quant_fp8_per_token does, in the merge launch. quant="amax": returns (out, fp32 [B, heads]),
+    each head's max |out|: the row's absmax in parts, for gemv_fp8_quantizing (batch 1)."""
     bsz, heads, hd = q.shape
     _, kvh, max_len, hd_c = k_cache.shape
     if hd_c != hd or heads % kvh or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
@@ -141,18 +145,23 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")
     g = gate if gate is not None else out
-    if quant not in (None, "fp8") or (quant and out.stride(0) != heads * hd):
-        raise ValueError(f"attn_decode: quant must be None or 'fp8' (with contiguous output rows), got {quant!r}")
+    if quant not in (None, "fp8", "amax") or (quant and out.stride(0) != heads * hd):
+        raise ValueError(f"attn_decode: quant must be None, 'fp8' or 'amax' (with contiguous output rows), "
+                         f"got {quant!r}")
     q8 = qs = tick = out
-    if quant:
+    if quant == "amax":
+        qs = torch.empty(bsz, heads, dtype=torch.float32, device=dev)
+    if quant == "fp8":
         q8 = torch.empty(bsz, heads * hd, dtype=torch.float8_e4m3fn, device=dev)
         qs = torch.empty(bsz, 1, dtype=torch.float32, device=dev)
         _, tick = workspace(dev, (1,), bsz, owner="attn_quant")
-    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, q8.view(torch.uint8) if quant else q8, qs, tick,
+    _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, q8.view(torch.uint8) if quant == "fp8" else q8, qs, tick,
                                      out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit, heads, HD=hd,
                                      SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=4, PDL=pdl,
-                                     launch_pdl=pdl, QUANT=quant is not None,
+                                     launch_pdl=pdl, QUANT={None: 0, "fp8": 1, "amax": 2}[quant],
                                      QB=min(4096, triton.next_power_of_2(heads * hd)))
+    if quant == "amax":
+        return out, qs
     return out if quant is None else (out, (q8, qs))
 
 

@@ -86,8 +86,9 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
                        V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NVB: tl.constexpr, BVF: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr,
                        QUANT: tl.constexpr, QB: tl.constexpr):
-    """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh).
-    Tickets: [B·H] per (row, key head), then [B] per row (QUANT)."""
+    """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh);
+    3 each key head's max |out| over its output values, into qs [B, H] (gemv_fp8_quantizing).
+    Tickets: [B·H] per (row, key head), then [B] per row (QUANT 1, 2)."""
     G: tl.constexpr = HV // H
     # One program id, V-block fastest, then value head, then row: a key head's programs (G value
     # heads x V-blocks) run side by side, so the last of them finds their o rows and its q / k
@@ -160,16 +161,21 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
         f_ok = rf < V
         nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
         valid_f = (rf * 0 + slot_raw) >= 0
+        amax = 0.0
         for i in tl.static_range(G):
             hv_i = h * G + i
             of = tl.load(ws_ptr + (bi * HV + hv_i) * V + rf, mask=f_ok, other=0.0, cache_modifier=".cg")
             of = of * tl.rsqrt(tl.sum(of * of, 0) / V + eps)
             zf = tl.load(z_ptr + bi * stride_z + hv_i * V + rf, mask=f_ok, other=0.0).to(tl.float32)
             of = of * nw * (zf / (1.0 + tl.exp(-zf)))
-            of = tl.where(valid_f, of, 0.0)
-            tl.store(out_ptr + bi * stride_out + hv_i * V + rf, of.to(out_ptr.dtype.element_ty), mask=f_ok)
+            of = tl.where(valid_f, of, 0.0).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + bi * stride_out + hv_i * V + rf, of, mask=f_ok)
+            if QUANT == 3:  # of the values as stored (masked lanes are 0)
+                amax = tl.maximum(amax, tl.max(tl.abs(of.to(tl.float32)), 0))
         tl.atomic_xchg(tick_ptr + bi * H + h, 0)
-        if QUANT > 0:  # the row's last key head quantizes the whole row
+        if QUANT == 3:
+            tl.store(qs_ptr + bi * H + h, amax)
+        if QUANT == 1 or QUANT == 2:  # the row's last key head quantizes the whole row
             quant_fp8_row_when_last(tick_ptr + NB * H + bi, H, out_ptr + bi * stride_out,
                                     q8_ptr + bi * HV * V, qs_ptr + bi, qh_ptr + bi * HV * V, HV * V, QB, QUANT == 2)
 
@@ -194,7 +200,10 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     in place; returns the gated-normed output [B, HV·V] (bf16 unless `out` says otherwise).
     v_blocks: V-blocks per value head (a power of two; default from the batch and SM count).
     quant="fp8": returns (out, (E4M3 [B, HV·V], fp32 scale [B, 1][, with half the codes' fp16
-    pairs])) — quant_fp8_per_token(out, half) without its launch, what an FP8 out_proj reads."""
+    pairs])) — quant_fp8_per_token(out, half) without its launch, what an FP8 out_proj reads.
+    quant="amax": returns (out, fp32 [B, H]), each key head's max |out| over its values: the row's
+    absmax in parts, what an FP8 out_proj that quantizes inside its GEMV reads at batch 1
+    (gemv_fp8_quantizing), with no pass over the row between the two kernels."""
     bsz = qkv.shape[0]
     hv = A_log.shape[0]
     H, K, V = num_k_heads, head_k_dim, head_v_dim
@@ -218,9 +227,11 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     # (B = 32 / 64 1.4x slower, B = 8 steps 6 % slower on an H200, session 6).
     early = bv * triton.next_power_of_2(K) <= 32 * 128
     pdl = early and use_pdl(qkv.device, None)
-    if quant not in (None, "fp8"):
-        raise ValueError(f"gdn_decode: quant must be None or 'fp8', got {quant!r}")
+    if quant not in (None, "fp8", "amax"):
+        raise ValueError(f"gdn_decode: quant must be None, 'fp8' or 'amax', got {quant!r}")
     q8 = qs = qh = out
+    if quant == "amax":
+        qs = torch.empty(bsz, H, dtype=torch.float32, device=qkv.device)
     if quant == "fp8":
         q8 = torch.empty(bsz, hv * V, dtype=torch.float8_e4m3fn, device=qkv.device)
         qs = torch.empty(bsz, 1, dtype=torch.float32, device=qkv.device)
@@ -230,14 +241,17 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     # against 91. Inside the decode step the two read the same within run-to-run spread.
     _gdn_decode_kernel[(bsz * hv * triton.cdiv(V, bv),)](
         qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
-        q8.view(torch.uint8) if quant else q8, qs, qh,
+        q8.view(torch.uint8) if quant == "fp8" else q8, qs, qh,
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
-        EARLY_S=early, QUANT=0 if quant is None else (2 if half else 1), QB=min(4096, triton.next_power_of_2(hv * V)),
+        EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
+        QB=min(4096, triton.next_power_of_2(hv * V)),
         num_warps=num_warps or 4, PDL=pdl, launch_pdl=pdl)
     if quant is None:
         return out
+    if quant == "amax":
+        return out, qs
     return out, ((q8, qs, qh) if half else (q8, qs))
 
 

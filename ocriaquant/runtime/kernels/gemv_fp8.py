@@ -20,7 +20,7 @@ from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
 from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
-                     wait_for_inputs, whole_tile_mask)
+                     wait_for_inputs, whole_tile_mask, workspace)
 
 
 @triton.jit
@@ -61,14 +61,33 @@ def _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ: tl.constexpr, INTERPR
 
 
 @triton.jit
+def _quantize_slice(x_ptr, amax_ptr, n_parts, px_ptr, k_start, k_end, NP: tl.constexpr, BQ: tl.constexpr):
+    """QX's prologue: the row's FP8 scale from its producer's partial absmaxes, then this CTA's
+    K-slice of the bf16 row as the fp16 pairs the loop reads (fp8_pairs of the codes, exactly what
+    quant_fp8_per_token writes), into the CTA's own scratch at px_ptr. Returns the scale."""
+    rp = tl.arange(0, NP)
+    scale = fp8_token_scale(tl.max(tl.load(amax_ptr + rp, mask=rp < n_parts, other=0.0), 0))
+    rq = tl.arange(0, BQ)
+    for k0 in range(k_start, k_end, BQ):
+        m = k0 + rq < k_end
+        codes = fp8_token_codes(tl.load(x_ptr + k0 + rq, mask=m, other=0.0).to(tl.float32), scale)
+        tl.store(px_ptr + (k0 - k_start) + rq, fp8_pairs(codes), mask=m)
+    tl.debug_barrier()  # the stores of every thread before any of the loop's loads (CTA scope)
+    return scale
+
+
+@triton.jit
 def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn, K_PER_SPLIT,
+                        x_ptr, amax_ptr, px_ptr, n_parts,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                        EVEN_N: tl.constexpr):
+                        EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
-    The activations arrive as fp16 pairs (half2.fp8_pairs: codes × 2^-8, xh int32 [K/2])."""
+    The activations arrive as fp16 pairs (half2.fp8_pairs: codes × 2^-8, xh int32 [K/2]); with QX
+    as the bf16 row x and its absmax in n_parts parts, quantized here (_quantize_slice), each CTA
+    its own K-slice, into a scratch of K_PER_SPLIT fp16 per CTA at px_ptr."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     acc = tl.zeros((BN, NQ), dtype=tl.float32)
     q_end = k_end // 16
@@ -77,6 +96,10 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         q_first = tl.multiple_of(q_first, NQ)
     v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
     wait_for_inputs(PDL)
+    if QX:  # the scratch, addressed like xh from the slice's first value on
+        px = px_ptr + (pid_n * SPLIT_K + pid_k) * K_PER_SPLIT
+        xs = _quantize_slice(x_ptr, amax_ptr, n_parts, px, k_start, k_end, NP, BQ)
+        xh_ptr = (px - k_start).to(tl.pointer_type(tl.int32), bitcast=True)
     # The next tile's loads go out before this one is computed: latency bounds these shapes. The
     # last tile is peeled, so with whole tiles the loop's loads are always in range along K: no K
     # mask, no zero-fill (Triton 3.6: gdn_in's loop 241 -> 219 instructions; mixed batch 1 on an
@@ -90,27 +113,57 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
         v0, v1, v2, v3 = n0, n1, n2, n3
     acc = _quads_acc(acc, v0, v1, v2, v3, q_last, q_end, xh_ptr, NQ, INTERPRET, V4)
-    y = tl.sum(acc, 1) * (256.0 * tl.load(xs_ptr)) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    if not QX:
+        xs = tl.load(xs_ptr)
+    y = tl.sum(acc, 1) * (256.0 * xs) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 
 
 def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half,
-                 partials=False):
+                 partials=False, x_row=None, x_amax=None):
+    """The batch-1 launch: from x_q's codes (x_half: their pairs, if the producer wrote them), or,
+    with x_row, from the bf16 row and its absmax parts x_amax (QX: quantized in the kernel)."""
     n, k = w_q.shape
-    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x_q.device, split_k, out)
+    dev = w_q.device
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, dev, split_k, out)
     partials = partials and grid[1] > 1
-    pdl = use_pdl(x_q.device, pdl)
-    if x_half is None:  # E4M3 -> fp16 is exact, and so is the power of two
+    pdl = use_pdl(dev, pdl)
+    qx = x_row is not None
+    if qx:  # scratch for each CTA's pairs (fp16), reused like the split-K workspace
+        px = workspace(dev, (grid[0] * grid[1] * k_per // 2,), 1, owner="gemv_fp8_qx")[0].view(torch.float16)
+        x_half, x_scale = px, x_amax
+    elif x_half is None:  # E4M3 -> fp16 is exact, and so is the power of two
         x_half = x_q.to(torch.float16) * 0.00390625
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     whole = k % block_k == 0  # every split is whole K-tiles (launch_plan): no K mask, 16-byte loads
     _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(), w_q.view(torch.int32),
-                              w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per, BN=block_n,
+                              w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per,
+                              x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
+                              x_amax.numel() if qx else 0, BN=block_n,
                               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
                               num_warps=num_warps, num_stages=num_stages, PDL=pdl, PARTIALS=partials,
                               WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
-                              EVEN_N=n % block_n == 0, launch_pdl=pdl)
+                              EVEN_N=n % block_n == 0, QX=qx,
+                              NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
+                              BQ=min(1024, triton.next_power_of_2(k_per)), launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
+
+
+def gemv_fp8_quantizing(x: torch.Tensor, x_amax: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
+                        split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, pdl: bool | None = None,
+                        partials: bool = False) -> torch.Tensor | Partials:
+    """Batch 1: gemv_fp8(quant_fp8_per_token(x)) in one launch. x bf16 [1, K]; x_amax fp32, max |x|
+    in parts (any shape: the producer's, e.g. gdn_decode(quant="amax")'s per key head), whose max is
+    the row's absmax. Each CTA quantizes its own K-slice (the same codes, so the same output, as
+    the two launches), so the decode step loses the quantization kernel between gdn_decode and
+    out_proj. The rest as gemv_fp8's half2 path."""
+    k = x.shape[-1]
+    if x.shape != (1, k) or x.stride(-1) != 1 or w_q.shape[1] != k or k % 16 or w_q.stride(0) % 4:
+        raise ValueError(f"gemv_fp8_quantizing: x must be one contiguous row of the weight's K, K a multiple of 16, "
+                         f"got x {tuple(x.shape)}, w {tuple(w_q.shape)}")
+    return _gemv_fp8_m1(None, None, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, None,
+                        partials, x_row=x, x_amax=x_amax)
 
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

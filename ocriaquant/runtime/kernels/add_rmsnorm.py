@@ -20,6 +20,7 @@ from .splitk import Partials, start_after_producer, use_pdl
 
 
 NORM_SLICE_B1 = 512  # columns per program at batch 1 (add_rmsnorm's slice_d)
+NORM_WARPS_B1 = 4  # warps per slice program; each reads its row whole for the statistics, which more warps share
 
 
 @triton.jit
@@ -158,7 +159,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torc
                                                  hp_stride, r.stride(0), y.stride(0), HAS_H=h is not None,
                                                  PARTS=parts, QUANT=code, BD=bd, BS=bs,
                                                  INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                                                 num_warps=8 if bs == bd and d > 2048 else 4, PDL=pdl, launch_pdl=pdl)
+                                                 num_warps=(8 if d > 2048 else 4) if bs == bd else NORM_WARPS_B1, PDL=pdl, launch_pdl=pdl)
     return (r, y) if extra is None else (r, y, extra)
 
 

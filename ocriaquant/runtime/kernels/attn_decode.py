@@ -31,6 +31,8 @@ from .rounding import round_bf16
 from .splitk import start_after_producer, use_pdl, workspace
 
 CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
+CHUNK_WARPS = 4  # warps per chunk program
+MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 tile)
 
 
 @triton.jit
@@ -140,7 +142,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     _attn_chunk_kernel[(bsz, kvh, nsplit)](
         q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
-        BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=4, PDL=pdl, launch_pdl=pdl)
+        BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl)
     out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")
@@ -157,8 +159,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
         _, tick = workspace(dev, (1,), bsz, owner="attn_quant")
     _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, q8.view(torch.uint8) if quant == "fp8" else q8, qs, tick,
                                      out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit, heads, HD=hd,
-                                     SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=4, PDL=pdl,
-                                     launch_pdl=pdl, QUANT={None: 0, "fp8": 1, "amax": 2}[quant],
+                                     SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=MERGE_WARPS,
+                                     PDL=pdl, launch_pdl=pdl, QUANT={None: 0, "fp8": 1, "amax": 2}[quant],
                                      QB=min(4096, triton.next_power_of_2(heads * hd)))
     if quant == "amax":
         return out, qs

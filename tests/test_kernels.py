@@ -461,14 +461,17 @@ def test_step_inputs_equal_the_torch_ops(shape):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
     from ocriaquant.model.configs import SHAPES, tiny_config
-    from ocriaquant.runtime.kernels import rope_tables, step_inputs, step_inputs_ref
+    from ocriaquant.runtime.kernels import step_inputs, step_inputs_ref
 
     tc = (tiny_config() if shape == "tiny" else SHAPES[shape]()).text_config
     rotary = Qwen3_5TextRotaryEmbedding(tc).to(DEV)
     max_len, vocab, d = 3000, 300, 160
     torch.manual_seed(len(shape))
     embed = torch.randn(vocab, d, dtype=torch.bfloat16, device=DEV)
-    cos_t, sin_t = rope_tables(rotary, max_len, DEV, torch.bfloat16)
+    # the runtime's tables: the rotary module once over every position, all three sections alike
+    pos = torch.arange(max_len, device=DEV)[None].expand(3, -1)
+    cos_t, sin_t = (t[0].contiguous() for t in rotary(torch.empty(0, dtype=torch.bfloat16, device=DEV),
+                                                      pos[:, None, :]))
     meta = torch.zeros(4, 8, dtype=torch.long, device=DEV)  # a bucket of 8, 5 rows used
     meta[:, :5] = torch.tensor([[7, 0, 299, 42, 1], [0, 3, 1, 8, 2], [0, 5, 2999, 2000, 700],
                                 [0, 0, -999, -7, -700]], device=DEV)

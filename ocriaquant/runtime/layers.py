@@ -419,9 +419,9 @@ class GatedDeltaNet(nn.Module):
             o = gdn_decode(p["in_proj_qkv"], p["in_proj_z"], p["in_proj_a"], p["in_proj_b"], state["conv"],
                            self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, state["ssm"], step.slots32,
                            self.H, self.K, self.V, self.eps, quant=quant)
-            if quant == "amax":
-                return self.out_proj(o[0], (o[1],), partials=partials)
-            return self.out_proj(*o, partials=partials) if quant else self.out_proj(o, partials=partials)
+            if quant is None:
+                return self.out_proj(o, partials=partials)
+            return self.out_proj(o[0], o[1] if quant == "fp8" else (o[1],), partials)
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         slots = step.slots

@@ -132,11 +132,11 @@ class RuntimeModel(nn.Module):
         self.device = torch.device(device)
         if backend == "triton":  # NVFP4 weights in the batch-1 kernel's bit order, made on the device
             self._pack_m1()
-            from .kernels.step_inputs import rope_tables
-
             # a decode token's cos / sin by position, gathered by step_inputs (positions stay below max_len:
-            # lengths are checked against it, and Qwen3.5's M-RoPE deltas are never positive, see prefill)
-            self._rope_cos, self._rope_sin = rope_tables(self.rotary, max_len, self.device, dtype)
+            # lengths are checked against it, and Qwen3.5's M-RoPE deltas are never positive, see prefill);
+            # at decode the three M-RoPE sections share the position
+            cos, sin = self._rope(torch.arange(max_len, device=self.device)[None].expand(3, -1))
+            self._rope_cos, self._rope_sin = cos.contiguous(), sin.contiguous()
         self.sentinel = max_slots
         self.state = [layer.mixer.alloc_state(max_slots + 1, max_len, self.device, dtype)
                       if isinstance(layer.mixer, Attention) else layer.mixer.alloc_state(max_slots + 1, self.device, dtype)

@@ -10,10 +10,10 @@ from .gemv_nvfp4 import gemv_nvfp4, gemv_nvfp4_ref
 from .greedy_advance import greedy_advance, greedy_advance_ref
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .silu_mul_quant import silu_mul_quant, silu_mul_quant_ref
-from .step_inputs import rope_tables, step_inputs, step_inputs_ref
+from .step_inputs import step_inputs, step_inputs_ref
 
 __all__ = ["add_rmsnorm", "add_rmsnorm_ref", "attn_decode", "attn_decode_ref", "gdn_decode", "gdn_decode_ref",
            "gemv_bf16", "gemv_bf16_ref", "gemv_fp8", "gemv_fp8_quantizing", "gemv_fp8_ref", "gemv_nvfp4",
            "gemv_nvfp4_ref", "greedy_advance", "greedy_advance_ref", "qk_norm_rope", "qk_norm_rope_ref",
-           "quant_fp8_per_token", "rope_tables", "silu_mul_quant", "silu_mul_quant_ref", "step_inputs",
+           "quant_fp8_per_token", "silu_mul_quant", "silu_mul_quant_ref", "step_inputs",
            "step_inputs_ref"]

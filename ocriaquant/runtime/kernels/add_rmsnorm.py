@@ -159,7 +159,8 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torc
                                                  hp_stride, r.stride(0), y.stride(0), HAS_H=h is not None,
                                                  PARTS=parts, QUANT=code, BD=bd, BS=bs,
                                                  INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                                                 num_warps=(8 if d > 2048 else 4) if bs == bd else NORM_WARPS_B1, PDL=pdl, launch_pdl=pdl)
+                                                 num_warps=(8 if d > 2048 else 4) if bs == bd else NORM_WARPS_B1,
+                                                 PDL=pdl, launch_pdl=pdl)
     return (r, y) if extra is None else (r, y, extra)
 
 

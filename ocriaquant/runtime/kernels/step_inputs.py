@@ -6,7 +6,7 @@ module's matmul, concatenations, cos, sin, scaling and casts, two int32 casts), 
 and none of them PDL-launched, so the first norm of the step cannot start early either. At
 decode the three M-RoPE sections of a text token share one position (length + delta), so cos
 and sin are rows of a table the runtime computes once with the same rotary module
-(`rope_tables`): a gather here gives the same bits as computing them per step.
+(RuntimeModel at load): a gather here gives the same bits as computing them per step.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _step_inputs_kernel(tok_ptr, slot_ptr, len_ptr, delta_ptr, emb_ptr, cos_tab,
 def step_inputs(tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
                 embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """tokens, slots, lengths, deltas int64 [B] (rows of the step's meta, any stride); embed
-    [vocab, D]; cos/sin tables [positions, rot] (rope_tables). Returns x [B, D], cos, sin [B, rot],
+    [vocab, D]; cos/sin tables [positions, rot], row p the rotary module at position p. Returns x [B, D], cos, sin [B, rot],
     slots and lengths as int32 [B]. Positions (length + delta) must lie inside the tables: the
     runtime checks lengths against max_len and M-RoPE deltas at prefill."""
     bsz, d, (rows, rot) = tokens.shape[0], embed.shape[1], cos_table.shape
@@ -67,14 +67,6 @@ def step_inputs(tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
                                 BD=min(4096, triton.next_power_of_2(d)), BR=triton.next_power_of_2(rot),
                                 num_warps=4, PDL=pdl)
     return x, cos, sin, slots32, lengths32
-
-
-def rope_tables(rotary, rows: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [rows, rot] of positions 0 … rows-1 from transformers' rotary module, all three
-    M-RoPE sections at the same position (a decode token's), as the runtime calls it per step."""
-    pos = torch.arange(rows, device=device)[None].expand(3, -1)
-    cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), pos[:, None, :])
-    return cos[0].contiguous(), sin[0].contiguous()
 
 
 def step_inputs_ref(tokens, slots, lengths, deltas, embed, rotary, dtype) -> tuple[torch.Tensor, ...]:

@@ -20,7 +20,11 @@ from .splitk import Partials, start_after_producer, use_pdl
 
 
 NORM_SLICE_B1 = 512  # columns per program at batch 1 (add_rmsnorm's slice_d)
-NORM_WARPS_B1 = 4  # warps per slice program; each reads its row whole for the statistics, which more warps share
+# Warps per slice program. Each program reads its whole row (the GEMV's 8 split-K partials) for the statistics,
+# so its threads' chains are long: Triton 3.6 SASS, FP8 form, 3392 instructions a thread at 4 warps, 2064 at 8, 1376
+# at 16. Mixed plan's batch-1 step on an H200 (scripts/ab_step.py, 3 rounds): 1.733 ms at 4, 1.726 at 8, 1.704 at 16
+# (BENCHMARKS.md, session 19); BF16 (no quantized form) 2.622 at 4 and 16.
+NORM_WARPS_B1 = 16
 
 
 @triton.jit

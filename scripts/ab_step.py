@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--plan", default="mixed", choices=("bf16", "mixed"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=512, help="tokens already cached per row")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="cache length per slot (default: context + steps + 16). `ocriaquant bench` sizes it for "
+                         "its synthetic pages (~5,100 at the 4B), and attention's chunk grid follows it")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per variant and round")
     ap.add_argument("--rounds", type=int, default=3, help="times every variant is timed, interleaved")
     ap.add_argument("--device", default="cuda", help="cuda; cpu (with --backend torch) only checks the script")
@@ -120,10 +123,13 @@ def main() -> None:
     from ocriaquant.bench import build_shape, copy_bandwidth, decode_speed, step_bytes
     from ocriaquant.runtime.model_runner import RuntimeModel
 
+    max_len = args.max_len or args.context + args.steps + 16
+    if max_len < args.context + args.steps + 2:
+        sys.exit(f"ab_step.py: --max-len {max_len} cannot hold --context {args.context} plus --steps {args.steps}")
     t0 = time.perf_counter()
     hf, store, kinds, config, _ = build_shape(args.shape, args.plan, args.device)
     del hf
-    rt = RuntimeModel(None, device=args.device, max_slots=args.batch, max_len=args.context + args.steps + 16,
+    rt = RuntimeModel(None, device=args.device, max_slots=args.batch, max_len=max_len,
                       backend=args.backend, source=(config, store, kinds))
     vocab = config.text_config.vocab_size
     on_gpu = rt.device.type == "cuda"
@@ -148,7 +154,7 @@ def main() -> None:
         rows.append({"variant": name, "settings": [" ".join(a) for a in args.variant if a[0] == name][0],
                      "ms_per_step": ms, "median_ms": round(med, 4),
                      "roofline_frac": round(total / bw / (med * 1e-3), 4) if on_gpu else None})
-    report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context,
+    report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context, "max_len": max_len,
               "steps": args.steps, "rounds": args.rounds, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "torch": torch.__version__, "copy_tb_s": round(bw / 1e12, 3) if on_gpu else None,
               "bytes_per_step": total, "variants": rows, "total_s": round(time.perf_counter() - t0, 1)}

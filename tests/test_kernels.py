@@ -414,7 +414,13 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     # the output gate (a strided view, as q_proj's interleaved q/gate output gives it)
     qg = torch.randn(4, heads, 2 * hd, dtype=torch.bfloat16, device=DEV)
     gated = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])
-    assert rel(gated, attn_decode_ref(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])) <= 1e-2
+    want_gated = attn_decode_ref(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])
+    assert rel(gated, want_gated) <= 1e-2
+    # batch 1 chunks the sequence its own way (CHUNK_B1): each row alone, with its amax parts
+    for i in range(4):
+        one, amax1 = attn_decode(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1], hd**-0.5,
+                                 gate=qg[i:i + 1, :, hd:], quant="amax")
+        assert rel(one, want_gated[i:i + 1]) <= 1e-2 and torch.equal(amax1, one.float().abs().amax(-1))
     # quant="fp8": each row also quantized per token in the merge launch (an FP8 o_proj's
     # input), exactly quant_fp8_per_token's codes and scales of the bf16 output
     from ocriaquant.runtime.kernels import quant_fp8_per_token

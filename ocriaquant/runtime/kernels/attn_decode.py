@@ -33,6 +33,12 @@ from .splitk import start_after_producer, use_pdl, workspace
 CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
 CHUNK_WARPS = 4  # warps per chunk program
 MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 tile)
+# At batch 1 the grid is only (KV heads × chunks): shorter chunks give more programs, each with a shorter serial
+# chain of key tiles. Mixed plan's batch-1 step on an H200 at bench's cache length (max_len 5092, context 512):
+# 1.769 ms at 256, 1.705-1.710 at 128; BF16 2.660 -> 2.646 (scripts/ab_step.py, BENCHMARKS.md, session 19). At
+# batch 64 the same 128 cost 0.12 ms (most chunks lie past the rows' lengths), so it is batch 1's alone.
+CHUNK_B1 = 128
+MERGE_WARPS_B1 = 4  # MERGE_WARPS at batch 1 (8: equal at CHUNK_B1 128)
 
 
 @triton.jit
@@ -132,7 +138,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     if q.stride(2) != 1:
         q = q.contiguous()
     g = heads // kvh
-    nsplit = triton.cdiv(max_len, CHUNK)
+    chunk, merge_warps = (CHUNK_B1, MERGE_WARPS_B1) if bsz == 1 else (CHUNK, MERGE_WARPS)
+    nsplit = triton.cdiv(max_len, chunk)
     dev = q.device
     po = torch.empty(bsz, heads, nsplit, hd, dtype=torch.float32, device=dev)
     pm = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
@@ -142,7 +149,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     _attn_chunk_kernel[(bsz, kvh, nsplit)](
         q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
-        BT=32 if interp else 64, CHUNK_=CHUNK, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl)
+        BT=32 if interp else 64, CHUNK_=chunk, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl)
     out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")
@@ -159,7 +166,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
         _, tick = workspace(dev, (1,), bsz, owner="attn_quant")
     _attn_merge_kernel[(bsz, heads)](po, pm, pl, out, g, q8.view(torch.uint8) if quant == "fp8" else q8, qs, tick,
                                      out.stride(0), out.stride(1), g.stride(0), g.stride(1), nsplit, heads, HD=hd,
-                                     SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=MERGE_WARPS,
+                                     SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=merge_warps,
                                      PDL=pdl, launch_pdl=pdl, QUANT={None: 0, "fp8": 1, "amax": 2}[quant],
                                      QB=min(4096, triton.next_power_of_2(heads * hd)))
     if quant == "amax":

@@ -30,13 +30,14 @@ from .gemv_fp8 import quant_fp8_row_when_last
 from .rounding import round_bf16
 from .splitk import start_after_producer, use_pdl, workspace
 
-CHUNK = 256  # positions per program: at batch 1 and 4k context, 16 chunks × KV heads programs
+CHUNK = 256  # positions per program above batch 1 (CHUNK_B1 below)
 CHUNK_WARPS = 4  # warps per chunk program
 MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 tile)
 # At batch 1 the grid is only (KV heads × chunks): shorter chunks give more programs, each with a shorter serial
 # chain of key tiles. Mixed plan's batch-1 step on an H200 at bench's cache length (max_len 5092, context 512):
 # 1.769 ms at 256, 1.705-1.710 at 128; BF16 2.660 -> 2.646 (scripts/ab_step.py, BENCHMARKS.md, session 19). At
-# batch 64 the same 128 cost 0.12 ms (most chunks lie past the rows' lengths), so it is batch 1's alone.
+# batch 64 the same 128 cost 0.12 ms (most chunks lie past the rows' lengths), so it is batch 1's alone. 64 was
+# equal at context 512 (1.707) and slower at 4096 (1.737 against 1.711).
 CHUNK_B1 = 128
 MERGE_WARPS_B1 = 4  # MERGE_WARPS at batch 1 (8: equal at CHUNK_B1 128)
 

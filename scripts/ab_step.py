@@ -96,6 +96,15 @@ def forget_captures(rt, retired: list) -> None:
             m._m1_tiles.clear()
 
 
+def tile_names(rt) -> set[str]:
+    """The tile overrides (kernels/tiles.py) the step just captured looked up, one per batch-1 GEMV
+    shape and kind: OCRIAQUANT_TILE_<kind>_<n>x<k>."""
+    from ocriaquant.runtime.layers import QuantLinear
+
+    return {f"OCRIAQUANT_TILE_{kind}_{m.out_features}x{m.in_features}"
+            for m in rt.modules() if isinstance(m, QuantLinear) for kind in m._m1_tiles}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3.5-4b", help="a named shape (ocriaquant/model/configs.py)")
@@ -137,6 +146,7 @@ def main() -> None:
     total = step_bytes(rt, args.batch, args.context)["total"]
     figures: dict[str, list[float]] = {n: [] for n in variants}
     retired: list = []
+    unmatched: dict[str, list[str]] = {}
     for r in range(args.rounds):
         for name, settings in variants.items():
             saved = apply(settings)
@@ -144,6 +154,13 @@ def main() -> None:
                 forget_captures(rt, retired)
                 # every run starts from the same length: the cache's contents do not change the timing
                 ms = decode_speed(rt, args.batch, args.context, args.steps, vocab) * 1e3
+                if r == 0:  # a tile override naming no GEMV of this model would time the base as the variant
+                    looked_up = tile_names(rt)
+                    unmatched[name] = [n for kind, _, n, _ in settings
+                                       if kind == "env" and n.startswith("OCRIAQUANT_TILE_") and n not in looked_up]
+                    if unmatched[name]:
+                        print(f"warning: variant {name}: {', '.join(unmatched[name])} matched no GEMV of this "
+                              f"model (its batch-1 shapes: {', '.join(sorted(looked_up))})", flush=True)
             finally:
                 undo(saved)
             figures[name].append(round(ms, 4))
@@ -152,7 +169,7 @@ def main() -> None:
     for name, ms in figures.items():
         med = statistics.median(ms)
         rows.append({"variant": name, "settings": [" ".join(a) for a in args.variant if a[0] == name][0],
-                     "ms_per_step": ms, "median_ms": round(med, 4),
+                     "ms_per_step": ms, "median_ms": round(med, 4), "unmatched_tiles": unmatched.get(name, []),
                      "roofline_frac": round(total / bw / (med * 1e-3), 4) if on_gpu else None})
     report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context, "max_len": max_len,
               "steps": args.steps, "rounds": args.rounds, "device": torch.cuda.get_device_name() if on_gpu else "cpu",

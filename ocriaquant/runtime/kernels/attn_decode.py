@@ -32,6 +32,7 @@ from .splitk import start_after_producer, use_pdl, workspace
 
 CHUNK = 256  # positions per program above batch 1 (CHUNK_B1 below)
 CHUNK_WARPS = 4  # warps per chunk program
+KEY_TILE = 64  # keys a chunk program scores at a time (32 under the interpreter, for speed)
 MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 tile)
 # At batch 1 the grid is only (KV heads × chunks): shorter chunks give more programs, each with a shorter serial
 # chain of key tiles. Mixed plan's batch-1 step on an H200 at bench's cache length (max_len 5092, context 512):
@@ -150,7 +151,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     _attn_chunk_kernel[(bsz, kvh, nsplit)](
         q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
-        BT=32 if interp else 64, CHUNK_=chunk, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl)
+        BT=32 if interp else KEY_TILE, CHUNK_=chunk, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl)
     out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")

@@ -40,6 +40,10 @@ from .gemv_fp8 import quant_fp8_row_when_last
 from .splitk import sm_count, use_pdl, wait_for_inputs, workspace
 
 
+MIN_V_ROWS = 16  # the smallest V-block _v_blocks makes (batch 1 at the 4B: 8 blocks of 16 rows, 256 programs)
+WARPS = 4  # warps per program, at every batch (see the launch)
+
+
 @triton.jit
 def _conv_taps(cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: tl.constexpr, KWP: tl.constexpr):
     """The conv state (KW-1 taps) and weights of channels `chan`: [chan, KWP] each, fp32. Neither
@@ -184,9 +188,9 @@ def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
     """V-blocks per value head: at least two (H200, B = 32 / 64: a 64-row tile at 128 registers
     fits four programs to an SM, a whole 128-row one at 245 two; 81.5 against 87.0 us at B = 64,
     decode step 1.5 % faster, session 12), more until there are ~4 programs per SM, blocks of at
-    least 16 rows."""
+    least MIN_V_ROWS rows."""
     nvb = 2 if v >= 32 else 1
-    while bsz * hv * nvb < 4 * sm_count(device) and v // (2 * nvb) >= 16:
+    while bsz * hv * nvb < 4 * sm_count(device) and v // (2 * nvb) >= MIN_V_ROWS:
         nvb *= 2
     return nvb
 
@@ -247,7 +251,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
         EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
         QB=min(4096, triton.next_power_of_2(hv * V)),
-        num_warps=num_warps or 4, PDL=pdl, launch_pdl=pdl)
+        num_warps=num_warps or WARPS, PDL=pdl, launch_pdl=pdl)
     if quant is None:
         return out
     if quant == "amax":

@@ -21,6 +21,8 @@ import triton.language as tl
 from .rounding import round_bf16
 from .splitk import start_after_producer, use_pdl
 
+WARPS = 2  # warps per (row, head) program
+
 
 @triton.jit
 def _norm_rope(src, w_ptr, cos_ptr, sin_ptr, eps, HD, ROT, BD: tl.constexpr):
@@ -84,7 +86,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     _qk_norm_rope_kernel[(bsz, heads + kvh)](
         q, k, v, q_weight, k_weight, cos, sin, q_out, k_cache, v_cache, slots, lengths, q.stride(0), q.stride(1),
         k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, hd,
-        rot, eps, BD=triton.next_power_of_2(hd), num_warps=2, PDL=pdl, launch_pdl=pdl)
+        rot, eps, BD=triton.next_power_of_2(hd), num_warps=WARPS, PDL=pdl, launch_pdl=pdl)
     return q_out
 
 

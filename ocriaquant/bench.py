@@ -105,6 +105,33 @@ def build_shape(shape: str, plan: str, device: str, seed: int = 0):
     return hf, MemoryStore(tensors, f"{shape} (random weights, {plan})"), kinds, config, processor
 
 
+def add_step_args(ap, steps: int) -> None:
+    """The options of the scripts that time one decode step of a named shape (scripts/ab_step.py,
+    scripts/profile_step.py): --shape, --plan, --batch, --context, --max-len, --steps."""
+    ap.add_argument("--shape", default="qwen3.5-4b", help="a named shape (ocriaquant/model/configs.py)")
+    ap.add_argument("--plan", default="mixed", choices=PLANS)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512, help="tokens already cached per row")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="cache length per slot (default: context + steps + 16). `ocriaquant bench` sizes it for "
+                         "its synthetic pages (5092 at the 4B), and attention's chunk grid follows it")
+    ap.add_argument("--steps", type=int, default=steps, help="decode steps timed")
+
+
+def step_runtime(args, device: str, backend: str = "triton"):
+    """(runtime, vocab) of args.shape in args.plan with random weights (build_shape, its
+    transformers model dropped), args.batch slots of args.max_len: what add_step_args' scripts time."""
+    from .runtime.model_runner import RuntimeModel
+
+    max_len = args.max_len or args.context + args.steps + 16
+    if max_len < args.context + args.steps + 2:
+        raise OcriaError(f"--max-len {max_len} cannot hold --context {args.context} plus --steps {args.steps}")
+    _, store, kinds, config, _ = build_shape(args.shape, args.plan, device)
+    rt = RuntimeModel(None, device=device, max_slots=args.batch, max_len=max_len, backend=backend,
+                      source=(config, store, kinds))
+    return rt, config.text_config.vocab_size
+
+
 def step_bytes(rt, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step moves: weights as the triton path reads them, plus per row the GDN
     state (read + write) and the visible KV cache (read)."""

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+from ocriaquant.bench import add_step_args, copy_bandwidth, decode_speed, step_bytes, step_runtime
+from ocriaquant.errors import OcriaError
+
 
 def parse_setting(text: str):
     """'kernels.add_rmsnorm.NORM_WARPS_B1=16' -> ("attr", module, name, 16);
@@ -99,22 +102,16 @@ def forget_captures(rt, retired: list) -> None:
 def tile_names(rt) -> set[str]:
     """The tile overrides (kernels/tiles.py) the step just captured looked up, one per batch-1 GEMV
     shape and kind: OCRIAQUANT_TILE_<kind>_<n>x<k>."""
+    from ocriaquant.runtime.kernels.tiles import tile_override_name
     from ocriaquant.runtime.layers import QuantLinear
 
-    return {f"OCRIAQUANT_TILE_{kind}_{m.out_features}x{m.in_features}"
+    return {tile_override_name(kind, m.out_features, m.in_features)
             for m in rt.modules() if isinstance(m, QuantLinear) for kind in m._m1_tiles}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3.5-4b", help="a named shape (ocriaquant/model/configs.py)")
-    ap.add_argument("--plan", default="mixed", choices=("bf16", "mixed"))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512, help="tokens already cached per row")
-    ap.add_argument("--max-len", type=int, default=None,
-                    help="cache length per slot (default: context + steps + 16). `ocriaquant bench` sizes it for "
-                         "its synthetic pages (~5,100 at the 4B), and attention's chunk grid follows it")
-    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per variant and round")
+    add_step_args(ap, steps=64)  # timed per variant and round
     ap.add_argument("--rounds", type=int, default=3, help="times every variant is timed, interleaved")
     ap.add_argument("--device", default="cuda", help="cuda; cpu (with --backend torch) only checks the script")
     ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
@@ -129,18 +126,11 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("ab_step.py: no CUDA device here (--device cpu --backend torch only checks the script)")
 
-    from ocriaquant.bench import build_shape, copy_bandwidth, decode_speed, step_bytes
-    from ocriaquant.runtime.model_runner import RuntimeModel
-
-    max_len = args.max_len or args.context + args.steps + 16
-    if max_len < args.context + args.steps + 2:
-        sys.exit(f"ab_step.py: --max-len {max_len} cannot hold --context {args.context} plus --steps {args.steps}")
     t0 = time.perf_counter()
-    hf, store, kinds, config, _ = build_shape(args.shape, args.plan, args.device)
-    del hf
-    rt = RuntimeModel(None, device=args.device, max_slots=args.batch, max_len=max_len,
-                      backend=args.backend, source=(config, store, kinds))
-    vocab = config.text_config.vocab_size
+    try:
+        rt, vocab = step_runtime(args, args.device, args.backend)
+    except OcriaError as e:
+        sys.exit(f"ab_step.py: {e}")
     on_gpu = rt.device.type == "cuda"
     bw = copy_bandwidth(rt.device) if on_gpu else float("nan")
     total = step_bytes(rt, args.batch, args.context)["total"]
@@ -171,8 +161,8 @@ def main() -> None:
         rows.append({"variant": name, "settings": [" ".join(a) for a in args.variant if a[0] == name][0],
                      "ms_per_step": ms, "median_ms": round(med, 4), "unmatched_tiles": unmatched.get(name, []),
                      "roofline_frac": round(total / bw / (med * 1e-3), 4) if on_gpu else None})
-    report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context, "max_len": max_len,
-              "steps": args.steps, "rounds": args.rounds, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+    report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context,
+              "max_len": rt.max_len, "steps": args.steps, "rounds": args.rounds, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "torch": torch.__version__, "copy_tb_s": round(bw / 1e12, 3) if on_gpu else None,
               "bytes_per_step": total, "variants": rows, "total_s": round(time.perf_counter() - t0, 1)}
     base = rows[0]["median_ms"]

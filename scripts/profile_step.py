@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+from ocriaquant.bench import add_step_args, decode_speed, step_runtime
+from ocriaquant.errors import OcriaError
+
 
 def graph_ms(rt, batch: int, context: int, replays: int = 50) -> tuple:
     """(ms per step: the median over 5 runs of `replays` back-to-back replays, the batch's graph)."""
@@ -91,11 +94,7 @@ def summarize(spans: list[dict], steps: int, top: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3.5-4b", help="a named shape (ocriaquant/model/configs.py)")
-    ap.add_argument("--plan", default="mixed", choices=("bf16", "mixed"))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512, help="tokens already cached per row")
-    ap.add_argument("--steps", type=int, default=50, help="host-loop steps timed")
+    add_step_args(ap, steps=50)  # host-loop steps timed
     ap.add_argument("--trace-steps", type=int, default=10, help="graph replays traced by the profiler")
     ap.add_argument("--top", type=int, default=20, help="kernels listed, by time per step")
     ap.add_argument("--out", type=Path, default=None, help="write the report here as JSON")
@@ -103,19 +102,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA GPU (it profiles the triton backend's CUDA graphs)")
 
-    from ocriaquant.bench import build_shape, decode_speed
-    from ocriaquant.runtime.model_runner import RuntimeModel
-
     t0 = time.perf_counter()
-    hf, store, kinds, config, _ = build_shape(args.shape, args.plan, "cuda")
-    del hf
-    rt = RuntimeModel(None, device="cuda", max_slots=args.batch, max_len=args.context + args.steps + 16,
-                      backend="triton", source=(config, store, kinds))
-    vocab = config.text_config.vocab_size
+    try:
+        rt, vocab = step_runtime(args, "cuda")
+    except OcriaError as e:
+        sys.exit(f"profile_step.py: {e}")
     host = decode_speed(rt, args.batch, args.context, args.steps, vocab) * 1e3
     dev, graph = graph_ms(rt, args.batch, args.context)
     report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context,
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "max_len": rt.max_len, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "host_loop_ms": round(host, 4), "graph_ms": round(dev, 4), "host_added_ms": round(host - dev, 4)}
     report.update(summarize(kernel_spans(graph, args.trace_steps), args.trace_steps, args.top))
     report["total_s"] = round(time.perf_counter() - t0, 1)

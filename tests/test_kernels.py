@@ -352,7 +352,7 @@ def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
     # quant="amax": the same output, and each key head's max |out| over its G·V values (what
     # gemv_fp8_quantizing reads at batch 1); a padding row's parts are 0
     inp3 = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
-    o3, amax = gdn_decode(**inp3, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, v_blocks=vb, quant="amax")
+    o3, (amax,) = gdn_decode(**inp3, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, v_blocks=vb, quant="amax")
     assert torch.equal(o3, o) and amax.shape == (4, H)
     assert torch.equal(amax, o3.float().abs().reshape(4, H, -1).amax(-1))
 
@@ -418,7 +418,7 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     assert rel(gated, want_gated) <= 1e-2
     # batch 1 chunks the sequence its own way (CHUNK_B1): each row alone, with its amax parts
     for i in range(4):
-        one, amax1 = attn_decode(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1], hd**-0.5,
+        one, (amax1,) = attn_decode(q[i:i + 1], kc, vc, slots[i:i + 1], lengths[i:i + 1], hd**-0.5,
                                  gate=qg[i:i + 1, :, hd:], quant="amax")
         assert rel(one, want_gated[i:i + 1]) <= 1e-2 and torch.equal(amax1, one.float().abs().amax(-1))
     # quant="fp8": each row also quantized per token in the merge launch (an FP8 o_proj's
@@ -430,7 +430,7 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     want_q, want_s = quant_fp8_per_token(o.reshape(4, -1))
     assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s8, want_s)
     # quant="amax": the same output, and each head's max |out| (gemv_fp8_quantizing's input at batch 1)
-    o2, amax = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:], quant="amax")
+    o2, (amax,) = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:], quant="amax")
     assert torch.equal(o2, gated) and torch.equal(amax, gated.float().abs().amax(-1))
 
 

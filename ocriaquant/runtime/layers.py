@@ -90,6 +90,15 @@ class QuantLinear(nn.Module):
         """The GEMV kernels take decode-sized BF16 rows (M <= 64); all else is torch."""
         return self.triton and x.ndim >= 2 and x.numel() // x.shape[-1] <= 64 and x.dtype == torch.bfloat16
 
+    def producer_quant(self, x: torch.Tensor) -> str | None:
+        """The form in which a producer that can quantize (gdn_decode, attn_decode: their `quant`)
+        should hand this Linear its input x: None when this is not an FP8 GEMV on the kernels;
+        "fp8" above batch 1, the codes and scale, made by the producer; "amax" at batch 1, the row's
+        absmax in parts, and the GEMV quantizes its own slices (gemv_fp8_quantizing)."""
+        if self.kind != "fp8" or not self.uses_kernels(x):
+            return None
+        return "fp8" if x.shape[0] > 1 else "amax"
+
     def forward(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """x_q: x already in the form this Linear's GEMV reads, written by the producer
         (add_rmsnorm, silu_mul_quant): for FP8 (E4M3, scale[, fp16 pairs at M = 1]) or, at M = 1,
@@ -414,14 +423,12 @@ class GatedDeltaNet(nn.Module):
             # PDL-launched kernel (2.29 -> 2.38 ms, BENCHMARKS.md, session 7).
             # At batch 1 it hands out_proj its output's absmax in parts instead, and out_proj's GEMV
             # quantizes (gemv_fp8_quantizing): the quantization kernel between the two is gone.
-            fp8 = self.out_proj.kind == "fp8" and self.out_proj.uses_kernels(x)
-            quant = None if not fp8 else ("fp8" if x.shape[0] > 1 else "amax")
+            quant = self.out_proj.producer_quant(x)
             o = gdn_decode(p["in_proj_qkv"], p["in_proj_z"], p["in_proj_a"], p["in_proj_b"], state["conv"],
                            self.conv_weight, self.A_log, self.dt_bias, self.norm_weight, state["ssm"], step.slots32,
                            self.H, self.K, self.V, self.eps, quant=quant)
-            if quant is None:
-                return self.out_proj(o, partials=partials)
-            return self.out_proj(o[0], o[1] if quant == "fp8" else (o[1],), partials)
+            o, o_q = (o, None) if quant is None else o
+            return self.out_proj(o, o_q, partials)
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         slots = step.slots
@@ -502,13 +509,11 @@ class Attention(nn.Module):
                              step.sin, state["k"], state["v"], step.slots32, step.lengths32)
             # An FP8 o_proj's input: above batch 1 quantized in the merge launch, at batch 1 quantized
             # inside o_proj's GEMV from the absmax parts the merge writes (as gdn_decode does)
-            fp8 = self.o_proj.kind == "fp8" and self.o_proj.uses_kernels(x)
-            quant = None if not fp8 else ("fp8" if b > 1 else "amax")
+            quant = self.o_proj.producer_quant(x)
             o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:],
                             quant=quant)
-            if quant is None:
-                return self.o_proj(o.reshape(b, -1), partials=partials)
-            return self.o_proj(o[0].reshape(b, -1), o[1] if quant == "fp8" else (o[1],), partials)
+            o, o_q = (o, None) if quant is None else o
+            return self.o_proj(o.reshape(b, -1), o_q, partials)
         q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]
         slots, lengths, span = step.slots, step.lengths, step.span
         state["k"][slots, :, lengths] = k[:, :, 0]

@@ -130,7 +130,7 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b], times
     sigmoid(gate) when `gate` [B, heads, hd] (strides free, hd contiguous) is given.
     quant="fp8": returns (out, (E4M3 [B, heads·hd], fp32 scale [B, 1])), each row quantized as
-    quant_fp8_per_token does, in the merge launch. quant="amax": returns (out, fp32 [B, heads]),
+    quant_fp8_per_token does, in the merge launch. quant="amax": returns (out, (fp32 [B, heads],)),
     each head's max |out|: the row's absmax in parts, for gemv_fp8_quantizing (batch 1)."""
     bsz, heads, hd = q.shape
     _, kvh, max_len, hd_c = k_cache.shape
@@ -171,8 +171,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                                      SP=triton.next_power_of_2(nsplit), GATED=gate is not None, num_warps=merge_warps,
                                      PDL=pdl, launch_pdl=pdl, QUANT={None: 0, "fp8": 1, "amax": 2}[quant],
                                      QB=min(4096, triton.next_power_of_2(heads * hd)))
-    if quant == "amax":
-        return out, qs
+    if quant == "amax":  # a 1-tuple, like the other forms a Linear's x_q takes
+        return out, (qs,)
     return out if quant is None else (out, (q8, qs))
 
 

@@ -205,7 +205,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     v_blocks: V-blocks per value head (a power of two; default from the batch and SM count).
     quant="fp8": returns (out, (E4M3 [B, HV·V], fp32 scale [B, 1][, with half the codes' fp16
     pairs])) — quant_fp8_per_token(out, half) without its launch, what an FP8 out_proj reads.
-    quant="amax": returns (out, fp32 [B, H]), each key head's max |out| over its values: the row's
+    quant="amax": returns (out, (fp32 [B, H],)), each key head's max |out| over its values: the row's
     absmax in parts, what an FP8 out_proj that quantizes inside its GEMV reads at batch 1
     (gemv_fp8_quantizing), with no pass over the row between the two kernels."""
     bsz = qkv.shape[0]
@@ -254,8 +254,8 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         num_warps=num_warps or WARPS, PDL=pdl, launch_pdl=pdl)
     if quant is None:
         return out
-    if quant == "amax":
-        return out, qs
+    if quant == "amax":  # a 1-tuple, like the other forms a Linear's x_q takes
+        return out, (qs,)
     return out, ((q8, qs, qh) if half else (q8, qs))
 
 

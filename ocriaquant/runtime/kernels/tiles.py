@@ -47,6 +47,7 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         if head:
             return dict(block_n=64, block_k=256)
         if wide_k and k >= 8192:
+            # split 8 asked; launch_plan rounds a split to whole K-tiles: 9216 / 8 -> 1536, 6 splits
             return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
         if wide_k:
             return dict(block_n=64, block_k=256, split_k=8) if fp8 else dict(block_n=16, block_k=512, split_k=4)
@@ -60,9 +61,14 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
     return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)
 
 
+def tile_override_name(kind: str, n: int, k: int) -> str:
+    """The environment variable that overrides the tile of one shape and kind."""
+    return f"OCRIAQUANT_TILE_{kind}_{n}x{k}"
+
+
 def tile_override(kind: str, n: int, k: int) -> dict | None:
     """The tile OCRIAQUANT_TILE_<kind>_<n>x<k> asks for, or None when it is unset."""
-    name = f"OCRIAQUANT_TILE_{kind}_{n}x{k}"
+    name = tile_override_name(kind, n, k)
     value = os.environ.get(name)
     if not value:
         return None

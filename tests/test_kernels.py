@@ -73,6 +73,23 @@ def test_gemv_fp8(m, n, k, split):
         gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
 
 
+@pytest.mark.parametrize("n,k", [(12352, 2560), (10240, 2560), (2560, 4096), (2560, 9216)])
+def test_gemv_fp8_m1_rule_tiles(n, k):
+    """The batch-1 tile tiles.m1_tile gives each of the 4B's FP8 shapes (split K, 8 warps, 64 x 512)
+    computes the product, on 200 of the shape's rows at its full K (ragged last row tile)."""
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token
+    from ocriaquant.runtime.kernels.tiles import m1_tile
+
+    torch.manual_seed(n + k)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV) * 3
+    w_q, w_s = fp8.quantize_weight(torch.randn(200, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
+    x_q, x_s = quant_fp8_per_token(x)
+    out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **m1_tile("fp8", n, k))
+    assert torch.isfinite(out).all()
+    assert rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
+
+
 @pytest.mark.parametrize("n,k,split,parts", [(48, 512, None, 1), (40, 768, 2, 3), (40, 640, 2, 16), (64, 1024, 4, 4)])
 def test_gemv_fp8_quantizing_equals_quant_then_gemv(n, k, split, parts):
     """Batch 1, the bf16 row quantized inside the GEMV from its absmax in parts: bit for bit the

@@ -20,7 +20,13 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   batch 1 on the same machine (BENCHMARKS.md), so these stay. Session 16, once the weights
   loaded 16 bytes at a time, re-swept FP8 / NVFP4 inside the step: NVFP4 down_proj 128 × 512
   (split 8, 8 warps) took the mixed plan from 1.94 to 1.865 ms; the FP8 input-projection and
-  out_proj alternatives were equal or slower.
+  out_proj alternatives were equal or slower. Session 20 swept the FP8 input projections inside
+  the step again (scripts/ab_step.py, mixed batch 1, bench's cache length): GDN's 12352 × 2560,
+  until then on the 32 × 512 / 4-warp fallback (it is past 12288), and attention's 10240 × 2560
+  (256 × 128 / 8 warps) both run fastest at 64 × 512 on 8 warps — 1.705 -> 1.679 ms a step
+  together; 32 or 128 rows, 16 warps, 4 warps on q/k/v within 10 µs of it, 1024-wide K steps
+  +22 to +84 µs, 128 × 256 / 128 × 128 / 256 × 128 on 4 warps for GDN's equal or slower. The
+  12288 member shape alone: 11.2 -> 10.0 µs. Narrower FP8 shapes (N < 8192) keep 256 × 128.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
 shape (kind: bf16, fp8, nvfp4, nvfp4_silu): how a tile is re-swept inside the decode step, or
@@ -51,6 +57,8 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
             return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
         if wide_k:
             return dict(block_n=64, block_k=256, split_k=8) if fp8 else dict(block_n=16, block_k=512, split_k=4)
+        if fp8 and 8192 <= n <= 16384 and k % 512 == 0:  # the fused input projections (session 20)
+            return dict(block_n=64, block_k=512, num_warps=8)
         if n <= 12288 and k % 512 == 0:
             return dict(block_n=256, block_k=128, num_warps=8) if fp8 else dict(block_n=64, block_k=512, num_warps=8)
         return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)

@@ -75,19 +75,23 @@ def test_gemv_fp8(m, n, k, split):
 
 @pytest.mark.parametrize("n,k", [(12352, 2560), (10240, 2560), (2560, 4096), (2560, 9216)])
 def test_gemv_fp8_m1_rule_tiles(n, k):
-    """The batch-1 tile tiles.m1_tile gives each of the 4B's FP8 shapes (split K, 8 warps, 64 x 512)
-    computes the product, on 200 of the shape's rows at its full K (ragged last row tile)."""
+    """The batch-1 tile tiles.m1_tile gives each of the 4B's FP8 shapes (split K, 8 warps, 64 or 128
+    rows) computes the product, on 200 of the shape's rows at its full K (ragged last row tile)."""
     from ocriaquant.quant import fp8
-    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token
+    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_quantizing, gemv_fp8_ref, quant_fp8_per_token
     from ocriaquant.runtime.kernels.tiles import m1_tile
 
     torch.manual_seed(n + k)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV) * 3
     w_q, w_s = fp8.quantize_weight(torch.randn(200, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
     x_q, x_s = quant_fp8_per_token(x)
-    out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **m1_tile("fp8", n, k))
+    tile = m1_tile("fp8", n, k)
+    out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **tile)
     assert torch.isfinite(out).all()
     assert rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
+    if k == 4096:  # out_proj / o_proj quantize their input themselves, from gdn_decode's / attention's amax
+        amax = x.float().abs().amax().reshape(1)
+        assert torch.equal(gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, 200), **tile), out)
 
 
 @pytest.mark.parametrize("n,k,split,parts", [(48, 512, None, 1), (40, 768, 2, 3), (40, 640, 2, 16), (64, 1024, 4, 4)])

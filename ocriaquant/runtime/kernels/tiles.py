@@ -14,7 +14,7 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   6's sweep): the lm_head takes 64-row tiles, 256-wide K steps; the 2560-wide K input
   projections 32 rows × 512 (gate+up) or, for the narrower GDN / q-k-v projections (N ≤ 12288),
   wide tiles of 8 warps (FP8 256 × 128, NVFP4 64 × 512); down_proj (K ≥ 8192) 64 × 512 on 8
-  warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8, NVFP4 16 × 512 split 4.
+  warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8 (see session 20 below), NVFP4 16 × 512 split 4.
   Session 7's sweep with the M1_LAYOUT decoder preferred other NVFP4 tiles in isolation (down_proj
   32 × 512 split 8, out_proj 8 × 1024); inside the decode step they were 15–25 µs slower at
   batch 1 on the same machine (BENCHMARKS.md), so these stay. Session 16, once the weights
@@ -26,7 +26,10 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   (256 × 128 / 8 warps) both run fastest at 64 × 512 on 8 warps — 1.705 -> 1.679 ms a step
   together; 32 or 128 rows, 16 warps, 4 warps on q/k/v within 10 µs of it, 1024-wide K steps
   +22 to +84 µs, 128 × 256 / 128 × 128 / 256 × 128 on 4 warps for GDN's equal or slower. The
-  12288 member shape alone: 11.2 -> 10.0 µs. Narrower FP8 shapes (N < 8192) keep 256 × 128.
+  12288 member shape alone: 11.2 -> 10.0 µs. Narrower FP8 shapes (N < 8192) keep 256 × 128. The
+  same session moved FP8 out_proj / o_proj (K = 4096, split 8) from 64 × 256 on 4 warps to 128 × 256
+  on 8: 1.689 -> 1.672 ms a step, 1.685 -> 1.679 in a 4-round re-run; 64 × 512 / 8w, 32 × 512 / 8w, 64 × 256 / 8w were slower or equal,
+  as were other FP8 down_proj (2560 × 9216) and gate_up tiles in the latency table.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
 shape (kind: bf16, fp8, nvfp4, nvfp4_silu): how a tile is re-swept inside the decode step, or
@@ -56,7 +59,9 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
             # split 8 asked; launch_plan rounds a split to whole K-tiles: 9216 / 8 -> 1536, 6 splits
             return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
         if wide_k:
-            return dict(block_n=64, block_k=256, split_k=8) if fp8 else dict(block_n=16, block_k=512, split_k=4)
+            if fp8:  # out_proj / o_proj; 128 rows on 8 warps since session 20 (64 x 256 on 4 before)
+                return dict(block_n=128, block_k=256, split_k=8, num_warps=8)
+            return dict(block_n=16, block_k=512, split_k=4)
         if fp8 and 8192 <= n <= 16384 and k % 512 == 0:  # the fused input projections (session 20)
             return dict(block_n=64, block_k=512, num_warps=8)
         if n <= 12288 and k % 512 == 0:

@@ -288,6 +288,28 @@ def test_gemv_bf16_silu(i, k, block_n, block_k):
         gemv_bf16(x.repeat(2, 1), w, silu=True)
 
 
+@pytest.mark.parametrize("n,k", [(18432, 2560), (2560, 4096), (2560, 9216), (12352, 2560)])
+def test_gemv_bf16_m1_rule_tiles(n, k):
+    """The batch-1 tile tiles.m1_tile gives each of the 4B's BF16 shapes (down to 4 rows a CTA,
+    8 warps on the wide K) computes the product at the shape's full K on 100 rows (ragged last
+    tile); the fused gate_up (18432 rows) as the runtime runs it, with silu·mul in its epilogue."""
+    from ocriaquant.runtime.kernels import gemv_bf16
+    from ocriaquant.runtime.kernels.tiles import m1_tile
+
+    torch.manual_seed(n + k)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    tile = m1_tile("bf16", n, k)
+    if n == 18432:
+        w = torch.randn(2 * 100, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
+        h = gemv_bf16(x, w, out=poisoned(1, 100), silu=True, **tile)
+        g64, u64 = (x.double() @ w.double().T).split(100, dim=1)
+        assert rel(h, g64 * g64.sigmoid() * u64) <= 1e-2
+    else:
+        w = torch.randn(100, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+        out = gemv_bf16(x, w, out=poisoned(1, 100), **tile)
+        assert torch.isfinite(out).all() and rel(out, x.double() @ w.double().T) <= 1e-2
+
+
 @pytest.mark.parametrize("m,i", [(1, 320), (6, 2048 + 64), (9, 96)])
 def test_silu_mul_quant(m, i):
     from ocriaquant.quant import nvfp4

@@ -3,13 +3,19 @@ found fastest on an H200 (BENCHMARKS.md, 2026-12-02) on Qwen3.5-4B's shapes, wri
 rules so that the fused shapes in between (q/k/v, the four GDN input projections) get one.
 
 - BF16 (fp32 CUDA-core kernel, gemv_m1.py): wide K (≥ 4096: out_proj, o_proj, down_proj;
-  N = 2560) has few output tiles, so narrow ones (8 rows) with long K steps keep more CTAs
-  streaming; K = 2560 takes 512-wide K steps, 16-row tiles for the lm_head and the fused
-  gate_up, 8-row ones for the input projections (8192 ≤ N ≤ 16384: GDN's 12352, attention's
+  N = 2560) has few output tiles, so narrow ones (8 rows; 4 since session 20) with long K steps keep more CTAs
+  streaming; K = 2560 takes 512-wide K steps, 16-row tiles for the lm_head (and the fused
+  gate_up until session 20), 8-row ones for the input projections (8192 ≤ N ≤ 16384: GDN's 12352, attention's
   10240). Session 15 re-swept these inside the decode step once the K loop was a cp.async
   pipeline (H200, BF16 plan, batch 1): the 8-row input projections took 2.701 -> 2.684 ms a
   step; 32 × 256 or 16 × 256 there, 16 × 512 / 8 × 512 / a doubled split on the wide-K shapes,
   16 × 256 / 32 × 256 gate_up tiles were all slower, the lm_head at 8 or 32 rows equal.
+  Session 20 swept them again (norm slices and attention chunks had changed the
+  step around them): the fused gate_up on 4 rows (silu · mul in the epilogue) and the wide-K
+  shapes on 4 rows × 1024 over 8 warps took the BF16 step from 2.646 to 2.527 ms (bench:
+  2.628 -> 2.527 ms, 79.4 % of its roofline). More CTAs stream at once: the gate_up's 18432
+  rows become 2304 CTAs of 4 + 4 rows, out_proj's 2560 rows 640 row tiles. 2 rows, 16 warps, 8 × 2048,
+  4 × 1024 on 4 warps, 8 × 512 on the wide K were slower; 16 or 8 × 256 input projections too.
 - FP8 and NVFP4 (paired-fp16 kernels, half2.py, activations ready from the producer; session
   6's sweep): the lm_head takes 64-row tiles, 256-wide K steps; the 2560-wide K input
   projections 32 rows × 512 (gate+up) or, for the narrower GDN / q-k-v projections (N ≤ 12288),
@@ -67,10 +73,12 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         if n <= 12288 and k % 512 == 0:
             return dict(block_n=256, block_k=128, num_warps=8) if fp8 else dict(block_n=64, block_k=512, num_warps=8)
         return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
-    if wide_k:
-        return dict(block_n=8, block_k=1024)
+    if wide_k:  # session 20: 4 rows on 8 warps (8 rows on 4 before)
+        return dict(block_n=4, block_k=1024, num_warps=8)
     if 8192 <= n <= 16384:  # the input projections (GDN's four, attention's q/k/v)
         return dict(block_n=8, block_k=512 if k % 512 == 0 else 256)
+    if 16384 < n and not head:  # the fused gate_up: 4 rows of gate and 4 of up a CTA (session 20; 16 before)
+        return dict(block_n=4, block_k=512 if k % 512 == 0 else 256)
     return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)
 
 

@@ -162,7 +162,8 @@ def main() -> None:
                      "ms_per_step": ms, "median_ms": round(med, 4), "unmatched_tiles": unmatched.get(name, []),
                      "roofline_frac": round(total / bw / (med * 1e-3), 4) if on_gpu else None})
     report = {"shape": args.shape, "plan": args.plan, "batch": args.batch, "context": args.context,
-              "max_len": rt.max_len, "steps": args.steps, "rounds": args.rounds, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+              "max_len": rt.max_len, "steps": args.steps, "rounds": args.rounds,
+              "device": torch.cuda.get_device_name() if on_gpu else "cpu",
               "torch": torch.__version__, "copy_tb_s": round(bw / 1e12, 3) if on_gpu else None,
               "bytes_per_step": total, "variants": rows, "total_s": round(time.perf_counter() - t0, 1)}
     base = rows[0]["median_ms"]

@@ -3,24 +3,24 @@ found fastest on an H200 (BENCHMARKS.md, 2026-12-02) on Qwen3.5-4B's shapes, wri
 rules so that the fused shapes in between (q/k/v, the four GDN input projections) get one.
 
 - BF16 (fp32 CUDA-core kernel, gemv_m1.py): wide K (≥ 4096: out_proj, o_proj, down_proj;
-  N = 2560) has few output tiles, so narrow ones (8 rows; 4 since session 20) with long K steps keep more CTAs
-  streaming; K = 2560 takes 512-wide K steps, 16-row tiles for the lm_head (and the fused
-  gate_up until session 20), 8-row ones for the input projections (8192 ≤ N ≤ 16384: GDN's 12352, attention's
-  10240). Session 15 re-swept these inside the decode step once the K loop was a cp.async
-  pipeline (H200, BF16 plan, batch 1): the 8-row input projections took 2.701 -> 2.684 ms a
-  step; 32 × 256 or 16 × 256 there, 16 × 512 / 8 × 512 / a doubled split on the wide-K shapes,
-  16 × 256 / 32 × 256 gate_up tiles were all slower, the lm_head at 8 or 32 rows equal.
-  Session 20 swept them again (norm slices and attention chunks had changed the
-  step around them): the fused gate_up on 4 rows (silu · mul in the epilogue) and the wide-K
-  shapes on 4 rows × 1024 over 8 warps took the BF16 step from 2.646 to 2.527 ms (bench:
-  2.628 -> 2.527 ms, 79.4 % of its roofline). More CTAs stream at once: the gate_up's 18432
-  rows become 2304 CTAs of 4 + 4 rows, out_proj's 2560 rows 640 row tiles. 2 rows, 16 warps, 8 × 2048,
-  4 × 1024 on 4 warps, 8 × 512 on the wide K were slower; 16 or 8 × 256 input projections too.
+  N = 2560) has few output tiles, so narrow ones with long K steps keep more CTAs streaming;
+  K = 2560 takes 512-wide K steps, 16-row tiles for the lm_head, 8-row ones for the input
+  projections (8192 ≤ N ≤ 16384: GDN's 12352, attention's 10240). Session 15 re-swept these
+  inside the decode step once the K loop was a cp.async pipeline (H200, BF16 plan, batch 1):
+  the 8-row input projections took 2.701 -> 2.684 ms a step; 32 × 256 or 16 × 256 there,
+  16 × 512 / 8 × 512 / a doubled split on the wide-K shapes, 16 × 256 / 32 × 256 gate_up tiles
+  were all slower, the lm_head at 8 or 32 rows equal. Session 20 swept them again (norm slices
+  and attention chunks had changed the step around them): the fused gate_up on 4 rows (was 16;
+  silu · mul in the epilogue) and the wide-K shapes on 4 rows × 1024 over 8 warps (was 8 rows
+  on 4) took the BF16 step from 2.646 to 2.527 ms (bench: 2.628 -> 2.527 ms, 79.4 % of its
+  roofline). More CTAs stream at once: the gate_up's 18432 rows become 2304 CTAs of 4 + 4
+  rows, out_proj's 2560 rows 640 row tiles. 2 rows, 16 warps, 8 × 2048, 4 × 1024 on 4 warps,
+  8 × 512 on the wide K were slower; 16 or 8 × 256 input projections too.
 - FP8 and NVFP4 (paired-fp16 kernels, half2.py, activations ready from the producer; session
   6's sweep): the lm_head takes 64-row tiles, 256-wide K steps; the 2560-wide K input
   projections 32 rows × 512 (gate+up) or, for the narrower GDN / q-k-v projections (N ≤ 12288),
   wide tiles of 8 warps (FP8 256 × 128, NVFP4 64 × 512); down_proj (K ≥ 8192) 64 × 512 on 8
-  warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8 (see session 20 below), NVFP4 16 × 512 split 4.
+  warps split 8 ways; out_proj / o_proj (K = 4096) FP8 64 × 256 split 8, NVFP4 16 × 512 split 4.
   Session 7's sweep with the M1_LAYOUT decoder preferred other NVFP4 tiles in isolation (down_proj
   32 × 512 split 8, out_proj 8 × 1024); inside the decode step they were 15–25 µs slower at
   batch 1 on the same machine (BENCHMARKS.md), so these stay. Session 16, once the weights
@@ -32,10 +32,11 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   (256 × 128 / 8 warps) both run fastest at 64 × 512 on 8 warps — 1.705 -> 1.679 ms a step
   together; 32 or 128 rows, 16 warps, 4 warps on q/k/v within 10 µs of it, 1024-wide K steps
   +22 to +84 µs, 128 × 256 / 128 × 128 / 256 × 128 on 4 warps for GDN's equal or slower. The
-  12288 member shape alone: 11.2 -> 10.0 µs. Narrower FP8 shapes (N < 8192) keep 256 × 128. The
-  same session moved FP8 out_proj / o_proj (K = 4096, split 8) from 64 × 256 on 4 warps to 128 × 256
-  on 8: 1.689 -> 1.672 ms a step, 1.685 -> 1.679 in a 4-round re-run; 64 × 512 / 8w, 32 × 512 / 8w, 64 × 256 / 8w were slower or equal,
-  as were other FP8 down_proj (2560 × 9216) and gate_up tiles in the latency table.
+  12288 member shape alone: 11.2 -> 10.0 µs. Narrower FP8 shapes (N < 8192) keep 256 × 128.
+  The same session moved FP8 out_proj / o_proj from 64 × 256 on 4 warps to 128 × 256 on 8
+  (split 8 both): 1.689 -> 1.672 ms a step, 1.685 -> 1.679 in a 4-round re-run; 64 × 512,
+  32 × 512 and 64 × 256 on 8 warps were slower or equal, as were other FP8 down_proj
+  (2560 × 9216) and gate_up tiles in the latency table.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
 shape (kind: bf16, fp8, nvfp4, nvfp4_silu): how a tile is re-swept inside the decode step, or
@@ -53,10 +54,12 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
     override = tile_override(kind, n, k)
     if override is not None:
         return override
+    bk = 512 if k % 512 == 0 else 256
     if kind == "nvfp4_silu":
-        return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
+        return dict(block_n=32, block_k=bk)
     wide_k = k >= 4096 and k % 1024 == 0
     head = n >= 65536  # the lm_head: many CTAs already, no split
+    in_proj = 8192 <= n <= 16384  # the fused input projections (GDN's four, attention's q/k/v)
     if kind in ("fp8", "nvfp4"):  # the paired-fp16 kernels (half2.py)
         fp8 = kind == "fp8"
         if head:
@@ -64,22 +67,20 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         if wide_k and k >= 8192:
             # split 8 asked; launch_plan rounds a split to whole K-tiles: 9216 / 8 -> 1536, 6 splits
             return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
-        if wide_k:
-            if fp8:  # out_proj / o_proj; 128 rows on 8 warps since session 20 (64 x 256 on 4 before)
-                return dict(block_n=128, block_k=256, split_k=8, num_warps=8)
-            return dict(block_n=16, block_k=512, split_k=4)
-        if fp8 and 8192 <= n <= 16384 and k % 512 == 0:  # the fused input projections (session 20)
+        if wide_k:  # out_proj / o_proj
+            return dict(block_n=128, block_k=256, split_k=8, num_warps=8) if fp8 else \
+                dict(block_n=16, block_k=512, split_k=4)
+        if fp8 and in_proj and bk == 512:
             return dict(block_n=64, block_k=512, num_warps=8)
-        if n <= 12288 and k % 512 == 0:
+        if n <= 12288 and bk == 512:
             return dict(block_n=256, block_k=128, num_warps=8) if fp8 else dict(block_n=64, block_k=512, num_warps=8)
-        return dict(block_n=32, block_k=512 if k % 512 == 0 else 256)
-    if wide_k:  # session 20: 4 rows on 8 warps (8 rows on 4 before)
+        return dict(block_n=32, block_k=bk)
+    if wide_k:
         return dict(block_n=4, block_k=1024, num_warps=8)
-    if 8192 <= n <= 16384:  # the input projections (GDN's four, attention's q/k/v)
-        return dict(block_n=8, block_k=512 if k % 512 == 0 else 256)
-    if 16384 < n and not head:  # the fused gate_up: 4 rows of gate and 4 of up a CTA (session 20; 16 before)
-        return dict(block_n=4, block_k=512 if k % 512 == 0 else 256)
-    return dict(block_n=16, block_k=512 if k % 512 == 0 else 256)
+    if in_proj:
+        return dict(block_n=8, block_k=bk)
+    # the fused gate_up (N > 16384; 4 rows of gate and 4 of up a CTA), the lm_head and narrow shapes
+    return dict(block_n=4 if n > 16384 and not head else 16, block_k=bk)
 
 
 def tile_override_name(kind: str, n: int, k: int) -> str:

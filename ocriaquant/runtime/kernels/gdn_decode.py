@@ -59,27 +59,33 @@ def _conv_taps(cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: tl.constex
 @triton.jit
 def _conv_apply(qkv_ptr, cs_ptr, chan, n_ok, cs_stride_c, slot_raw, st, w, KW: tl.constexpr, KWP: tl.constexpr,
                 SHIFT: tl.constexpr):
-    """Causal conv over [state taps, x] for channels `chan`, SiLU; shifts the state if SHIFT."""
+    """Causal conv over [state taps, x] for channels `chan`, SiLU; shifts the state if SHIFT.
+    Returns (silu(conv), the window), the window for a later _shift_conv."""
     j = tl.arange(0, KWP)
-    valid = (j[None, :] * 0 + slot_raw) >= 0
     x = tl.load(qkv_ptr + chan, mask=n_ok, other=0.0).to(tl.float32)
     win = tl.where(j[None, :] == KW - 1, x[:, None], st)
     y = tl.sum(win * w, 1)
     if SHIFT:
-        # New state = window shifted left by one: tap j (1..KW-1) goes to position j-1. Other
-        # threads of this program may still have to read those positions: all loads first.
+        # Other threads of this program may still have to read those positions: all loads first.
         tl.debug_barrier()
-        new_mask = n_ok[:, None] & (j[None, :] >= 1) & (j[None, :] < KW) & valid
-        tl.store(cs_ptr + chan[:, None] * cs_stride_c + (j[None, :] - 1), win.to(cs_ptr.dtype.element_ty),
-                 mask=new_mask)
-    return y / (1.0 + tl.exp(-y))
+        _shift_conv(cs_ptr, chan, n_ok, cs_stride_c, slot_raw, win, KW, KWP)
+    return y / (1.0 + tl.exp(-y)), win
 
 
 @triton.jit
-def _conv_silu(qkv_ptr, cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW: tl.constexpr, KWP: tl.constexpr,
-               SHIFT: tl.constexpr):
-    st, w = _conv_taps(cs_ptr, cw_ptr, chan, n_ok, cs_stride_c, slot_raw, KW, KWP)
-    return _conv_apply(qkv_ptr, cs_ptr, chan, n_ok, cs_stride_c, slot_raw, st, w, KW, KWP, SHIFT)
+def _shift_conv(cs_ptr, chan, n_ok, cs_stride_c, slot_raw, win, KW: tl.constexpr, KWP: tl.constexpr):
+    """New conv state = the window shifted left by one: tap j (1..KW-1) goes to position j-1."""
+    j = tl.arange(0, KWP)
+    valid = (j[None, :] * 0 + slot_raw) >= 0  # a block, not a scalar: the interpreter rejects scalar masks
+    new_mask = n_ok[:, None] & (j[None, :] >= 1) & (j[None, :] < KW) & valid
+    tl.store(cs_ptr + chan[:, None] * cs_stride_c + (j[None, :] - 1), win.to(cs_ptr.dtype.element_ty), mask=new_mask)
+
+
+@triton.jit
+def _silu_z(z_row, hv_g, rf, gf_ok, V):
+    """silu(z) of value heads hv_g, whole V rows: [GP, BVF] fp32."""
+    zf = tl.load(z_row + hv_g[:, None] * V + rf[None, :], mask=gf_ok, other=0.0).to(tl.float32)
+    return zf / (1.0 + tl.exp(-zf))
 
 
 @triton.jit
@@ -88,7 +94,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
                        cs_stride_c,
                        s_stride_slot, stride_out, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, KW: tl.constexpr, KWP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       NVB: tl.constexpr, BVF: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr,
+                       NVB: tl.constexpr, BVF: tl.constexpr, GP: tl.constexpr, EARLY_S: tl.constexpr, PDL: tl.constexpr,
                        QUANT: tl.constexpr, QB: tl.constexpr):
     """QUANT: 0 none; 1 the row's FP8 codes (q8) and scale (qs); 2 those and their fp16 pairs (qh);
     3 each key head's max |out| over its output values, into qs [B, H] (gemv_fp8_quantizing).
@@ -126,17 +132,32 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     st_v, w_v = _conv_taps(cs, cw_ptr, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, KW, KWP)
     decay = tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
+    # What the key head's last program needs for the gated norm of its G value heads' whole V rows:
+    # at batch 1 every program loads it (the norm weight before the wait, z with the other inputs),
+    # so that the tail after the ticket waits on one round trip, its o rows, where it used to load
+    # the conv state and x again for the shift, then z and o one value head at a time. H200,
+    # batch-1 step (interleaved A/B, 4 rounds): BF16 2.526 -> 2.498 ms, mixed 1.682 -> 1.648;
+    # alone 5.1 us at B = 1 (BENCHMARKS.md, session 21).
+    rf = tl.arange(0, BVF)
+    f_ok = rf < V
+    rg = tl.arange(0, GP)
+    hv_g = h * G + rg
+    gf_ok = (rg < G)[:, None] & f_ok[None, :]
+    if EARLY_S:
+        nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)  # in_proj's outputs (q/k/v, z, a, b) are complete past this point
-    q = _conv_apply(qkv, cs, h * K + rk, k_ok, cs_stride_c, slot_raw, st_q, w_q, KW, KWP, False)
-    k = _conv_apply(qkv, cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW, KWP, False)
+    q, win_q = _conv_apply(qkv, cs, h * K + rk, k_ok, cs_stride_c, slot_raw, st_q, w_q, KW, KWP, False)
+    k, win_k = _conv_apply(qkv, cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW, KWP, False)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    v = _conv_apply(qkv, cs, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, st_v, w_v, KW, KWP, True)
+    v, win_v = _conv_apply(qkv, cs, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, st_v, w_v, KW, KWP, True)
     a = tl.load(a_ptr + bi * stride_ab + hv).to(tl.float32) + dt_bias
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = -decay * softplus
     bb = tl.load(b_ptr + bi * stride_ab + hv).to(tl.float32)
     beta = 1.0 / (1.0 + tl.exp(-bb))
+    if EARLY_S:
+        silu_z = _silu_z(z_ptr + bi * stride_z, hv_g, rf, gf_ok, V)
     # Above batch 1 (tiles loaded late) the state is read and written once a step and is far larger
     # than L2 (134 MB a layer at B = 64): loaded evict-first and stored streaming (.cs), it displaces
     # nothing there. H200, B = 64: 88.5 -> 83.7 us, 72 -> 76 % of the state roofline; the step at
@@ -159,23 +180,31 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     ticket = tl.atomic_add(tick_ptr + bi * H + h, 1, sem="acq_rel")
     tl.debug_barrier()
     if ticket == G * NVB - 1:
-        _conv_silu(qkv, cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP, True)
-        _conv_silu(qkv, cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP, True)
-        rf = tl.arange(0, BVF)  # the whole V row (new names: a branch may not reshape a variable)
-        f_ok = rf < V
-        nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
+        # Every program of the key head has read the q / k conv state by now: shift it from the
+        # window this program holds. Above batch 1 registers bind (a 64-row state tile; held, the
+        # windows and z took the FP8-quantizing form from 128 to 149, Triton 3.6 for sm_90), so
+        # there the tail loads them again.
+        if not EARLY_S:
+            st_q, w_q = _conv_taps(cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
+            st_k, w_k = _conv_taps(cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
+            q_again, win_q = _conv_apply(qkv, cs, h * K + rk, k_ok, cs_stride_c, slot_raw, st_q, w_q, KW, KWP,
+                                         False)
+            k_again, win_k = _conv_apply(qkv, cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW,
+                                         KWP, False)
+            silu_z = _silu_z(z_ptr + bi * stride_z, hv_g, rf, gf_ok, V)
+            nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
+        _shift_conv(cs, h * K + rk, k_ok, cs_stride_c, slot_raw, win_q, KW, KWP)
+        _shift_conv(cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, win_k, KW, KWP)
+        # The G value heads at once, [GP, whole V]: one round trip for their o rows.
+        of = tl.load(ws_ptr + (bi * HV + hv_g)[:, None] * V + rf[None, :], mask=gf_ok, other=0.0,
+                     cache_modifier=".cg")
+        of = of * tl.rsqrt(tl.sum(of * of, 1) / V + eps)[:, None]
+        of = of * nw[None, :] * silu_z
         valid_f = (rf * 0 + slot_raw) >= 0
-        amax = 0.0
-        for i in tl.static_range(G):
-            hv_i = h * G + i
-            of = tl.load(ws_ptr + (bi * HV + hv_i) * V + rf, mask=f_ok, other=0.0, cache_modifier=".cg")
-            of = of * tl.rsqrt(tl.sum(of * of, 0) / V + eps)
-            zf = tl.load(z_ptr + bi * stride_z + hv_i * V + rf, mask=f_ok, other=0.0).to(tl.float32)
-            of = of * nw * (zf / (1.0 + tl.exp(-zf)))
-            of = tl.where(valid_f, of, 0.0).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + bi * stride_out + hv_i * V + rf, of, mask=f_ok)
-            if QUANT == 3:  # of the values as stored (masked lanes are 0)
-                amax = tl.maximum(amax, tl.max(tl.abs(of.to(tl.float32)), 0))
+        of = tl.where(valid_f[None, :], of, 0.0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + bi * stride_out + hv_g[:, None] * V + rf[None, :], of, mask=gf_ok)
+        if QUANT == 3:  # of the values as stored (masked lanes are 0)
+            amax = tl.max(tl.max(tl.abs(of.to(tl.float32)), 1), 0)
         tl.atomic_xchg(tick_ptr + bi * H + h, 0)
         if QUANT == 3:
             tl.store(qs_ptr + bi * H + h, amax)
@@ -249,7 +278,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
-        EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
+        GP=triton.next_power_of_2(hv // H), EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
         QB=min(4096, triton.next_power_of_2(hv * V)),
         num_warps=num_warps or WARPS, PDL=pdl, launch_pdl=pdl)
     if quant is None:

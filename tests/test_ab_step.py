@@ -1,0 +1,58 @@
+"""scripts/ab_step.py's settings: a skip: variant's stand-in runs the real launcher once per call
+site, then hands back those outputs without launching, and undo puts the launcher back."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ab_step():
+    spec = importlib.util.spec_from_file_location("ab_step", Path(__file__).parents[1] / "scripts" / "ab_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_skip_setting_runs_each_call_site_once_then_launches_nothing(monkeypatch):
+    from ocriaquant.runtime import kernels
+    from ocriaquant.runtime.kernels import add_rmsnorm_ref
+
+    ab = _ab_step()
+    real = kernels.add_rmsnorm
+    launches = []
+
+    def counting(*args, **kwargs):  # the real launcher, counted
+        launches.append(args[2].data_ptr())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "add_rmsnorm", counting)
+    settings = [ab.parse_setting("skip:add_rmsnorm")]
+    saved = ab.apply(settings)
+    torch.manual_seed(0)
+    x, h = torch.randn(1, 64, device=DEV).bfloat16(), torch.randn(1, 64, device=DEV).bfloat16()
+    w1, w2 = (torch.randn(64, device=DEV) * 0.1).bfloat16(), (torch.randn(64, device=DEV) * 0.1).bfloat16()
+    try:
+        r, y = kernels.add_rmsnorm(x, h, w1, 1e-6)
+        r_ref, y_ref = add_rmsnorm_ref(x, h, w1, 1e-6)
+        assert torch.equal(r, r_ref) and float((y.float() - y_ref.float()).abs().max()) <= 0.02
+        again = kernels.add_rmsnorm(x * 2, h, w1, 1e-6)  # same call site: the first outputs, no launch
+        assert again[0] is r and again[1] is y and len(launches) == 1
+        kernels.add_rmsnorm(x, h, w2, 1e-6)  # another call site (its own norm weight) runs once
+        assert launches == [w1.data_ptr(), w2.data_ptr()]
+    finally:
+        ab.undo(saved)
+    assert kernels.add_rmsnorm is counting
+
+
+def test_skip_setting_names_what_it_can_skip():
+    ab = _ab_step()
+    with pytest.raises(SystemExit, match="skip: takes one of add_rmsnorm"):
+        ab.parse_setting("skip:gemv_fp8")

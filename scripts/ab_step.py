@@ -15,7 +15,10 @@ environment variable (OCRIAQUANT_PDL, the tile overrides of kernels/tiles.py), a
 `skip:<launcher>` (add_rmsnorm, qk_norm_rope, gdn_decode or attn_decode) times the step as if
 that kernel cost nothing: each call site runs it once, in the warm-up before capture, and then
 gets those outputs back with no launch. Its outputs go stale, so a skip variant only times: it
-bounds what fusing the kernel away could buy. Before each
+bounds what fusing the kernel away could buy. `code:<launcher>=<file>` runs the launcher of that
+name from another copy of its module (e.g. `git show HEAD:ocriaquant/runtime/kernels/gdn_decode.py
+> /tmp/old.py`, then `--variant old code:gdn_decode=/tmp/old.py --variant new`): a change to a
+kernel against the code before it, in one process. Before each
 variant is timed the captured CUDA graphs and the Linears' cached batch-1 tiles are dropped, so
 the step is re-captured with its settings; after it, every setting goes back.
 
@@ -64,10 +67,33 @@ def skipped(name: str):
     return stub
 
 
+def launcher_from(name: str, path: Path):
+    """Launcher `name` of the module at `path`, loaded as a sibling of ocriaquant.runtime.kernels'
+    own modules (so its relative imports resolve there)."""
+    import importlib.util
+
+    if not path.is_file():
+        raise SystemExit(f"ab_step.py: code:{name}={path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"ocriaquant.runtime.kernels._ab_{name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise SystemExit(f"ab_step.py: code:{name}={path}: the file defines no {name}")
+    return module.__dict__[name]
+
+
 def parse_setting(text: str):
     """'kernels.add_rmsnorm.NORM_WARPS_B1=16' -> ("attr", module, name, 16);
     'env:NAME=value' -> ("env", None, NAME, "value"); 'skip:gdn_decode' -> ("attr", the kernels
-    package, "gdn_decode", its stand-in)."""
+    package, "gdn_decode", its stand-in); 'code:gdn_decode=old.py' -> ("attr", the kernels
+    package, "gdn_decode", old.py's gdn_decode)."""
+    if text.startswith("code:"):
+        name, sep, path = text[5:].partition("=")
+        kernels = importlib.import_module("ocriaquant.runtime.kernels")
+        if not sep or not callable(getattr(kernels, name, None)):
+            raise SystemExit(f"ab_step.py: {text!r} is not code:<launcher>=<file>, a launcher of "
+                             "ocriaquant.runtime.kernels (gdn_decode, add_rmsnorm, ...) and a file")
+        return ("attr", kernels, name, launcher_from(name, Path(path)))
     if text.startswith("skip:"):
         name = text[5:]
         if name not in SKIPPABLE:

@@ -56,3 +56,32 @@ def test_skip_setting_names_what_it_can_skip():
     ab = _ab_step()
     with pytest.raises(SystemExit, match="skip: takes one of add_rmsnorm"):
         ab.parse_setting("skip:gemv_fp8")
+
+
+def test_code_setting_runs_the_launcher_of_another_copy(tmp_path):
+    """code:<launcher>=<file>: the launcher comes from the file (here add_rmsnorm.py with a marker
+    added), its relative imports resolved in the kernels package; undo puts the real one back."""
+    from ocriaquant.runtime import kernels
+    from ocriaquant.runtime.kernels import add_rmsnorm_ref
+
+    ab = _ab_step()
+    src = Path(kernels.__file__).parent / "add_rmsnorm.py"
+    copy = tmp_path / "add_rmsnorm_before.py"
+    copy.write_text(src.read_text() + "\n\nadd_rmsnorm.from_copy = True\n")
+    real = kernels.add_rmsnorm
+    saved = ab.apply([ab.parse_setting(f"code:add_rmsnorm={copy}")])
+    try:
+        assert kernels.add_rmsnorm is not real and getattr(kernels.add_rmsnorm, "from_copy", False)
+        torch.manual_seed(1)
+        x, h = torch.randn(1, 64, device=DEV).bfloat16(), torch.randn(1, 64, device=DEV).bfloat16()
+        w = (torch.randn(64, device=DEV) * 0.1).bfloat16()
+        r, y = kernels.add_rmsnorm(x, h, w, 1e-6)
+        r_ref, y_ref = add_rmsnorm_ref(x, h, w, 1e-6)
+        assert torch.equal(r, r_ref) and float((y.float() - y_ref.float()).abs().max()) <= 0.02
+    finally:
+        ab.undo(saved)
+    assert kernels.add_rmsnorm is real
+    with pytest.raises(SystemExit, match="no such file"):
+        ab.parse_setting(f"code:add_rmsnorm={tmp_path / 'missing.py'}")
+    with pytest.raises(SystemExit, match="is not code:<launcher>=<file>"):
+        ab.parse_setting(f"code:no_such_kernel={copy}")

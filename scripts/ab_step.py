@@ -101,7 +101,8 @@ def parse_setting(text: str):
         return ("attr", importlib.import_module("ocriaquant.runtime.kernels"), name, skipped(name))
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise SystemExit(f"ab_step.py: setting {text!r} is not <module>.<NAME>=<value> or env:<NAME>=<value>")
+        raise SystemExit(f"ab_step.py: setting {text!r} is not <module>.<NAME>=<value>, env:<NAME>=<value>, "
+                         "skip:<launcher> or code:<launcher>=<file>")
     if key.startswith("env:"):
         return ("env", None, key[4:], value)
     mod_name, _, attr = key.rpartition(".")

@@ -61,15 +61,21 @@ def _conv_apply(qkv_ptr, cs_ptr, chan, n_ok, cs_stride_c, slot_raw, st, w, KW: t
                 SHIFT: tl.constexpr):
     """Causal conv over [state taps, x] for channels `chan`, SiLU; shifts the state if SHIFT.
     Returns (silu(conv), the window), the window for a later _shift_conv."""
-    j = tl.arange(0, KWP)
-    x = tl.load(qkv_ptr + chan, mask=n_ok, other=0.0).to(tl.float32)
-    win = tl.where(j[None, :] == KW - 1, x[:, None], st)
+    win = _window(qkv_ptr, chan, n_ok, st, KW, KWP)
     y = tl.sum(win * w, 1)
     if SHIFT:
         # Other threads of this program may still have to read those positions: all loads first.
         tl.debug_barrier()
         _shift_conv(cs_ptr, chan, n_ok, cs_stride_c, slot_raw, win, KW, KWP)
     return y / (1.0 + tl.exp(-y)), win
+
+
+@triton.jit
+def _window(qkv_ptr, chan, n_ok, st, KW: tl.constexpr, KWP: tl.constexpr):
+    """[state taps, x] of channels `chan`: the conv's input window, fp32 [chan, KWP]."""
+    j = tl.arange(0, KWP)
+    x = tl.load(qkv_ptr + chan, mask=n_ok, other=0.0).to(tl.float32)
+    return tl.where(j[None, :] == KW - 1, x[:, None], st)
 
 
 @triton.jit
@@ -120,6 +126,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     qkv = qkv_ptr + bi * stride_qkv
     cs = cs_ptr + slot * cs_stride_slot
     valid_k = (rk * 0 + slot_raw) >= 0
+    chan_q, chan_k, chan_v = h * K + rk, H * K + h * K + rk, 2 * H * K + hv * V + rv  # conv channels
     # The recurrent and conv states and the weights are this layer's own (no kernel before this one
     # writes them): under PDL (batch 1's small V-blocks, EARLY_S) they stream while in_proj's GEMV
     # finishes, before waiting on it (B = 1: 7.3 -> 6.4 us on an H200, session 6).
@@ -127,9 +134,9 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     smask = v_ok[:, None] & (k_ok & valid_k)[None, :]
     if EARLY_S:
         S = tl.load(sp, mask=smask, other=0.0)
-    st_q, w_q = _conv_taps(cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
-    st_k, w_k = _conv_taps(cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
-    st_v, w_v = _conv_taps(cs, cw_ptr, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, KW, KWP)
+    st_q, w_q = _conv_taps(cs, cw_ptr, chan_q, k_ok, cs_stride_c, slot_raw, KW, KWP)
+    st_k, w_k = _conv_taps(cs, cw_ptr, chan_k, k_ok, cs_stride_c, slot_raw, KW, KWP)
+    st_v, w_v = _conv_taps(cs, cw_ptr, chan_v, v_ok, cs_stride_c, slot_raw, KW, KWP)
     decay = tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
     # What the key head's last program needs for the gated norm of its G value heads' whole V rows:
@@ -146,11 +153,11 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     if EARLY_S:
         nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)  # in_proj's outputs (q/k/v, z, a, b) are complete past this point
-    q, win_q = _conv_apply(qkv, cs, h * K + rk, k_ok, cs_stride_c, slot_raw, st_q, w_q, KW, KWP, False)
-    k, win_k = _conv_apply(qkv, cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW, KWP, False)
+    q, win_q = _conv_apply(qkv, cs, chan_q, k_ok, cs_stride_c, slot_raw, st_q, w_q, KW, KWP, False)
+    k, win_k = _conv_apply(qkv, cs, chan_k, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW, KWP, False)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    v, win_v = _conv_apply(qkv, cs, 2 * H * K + hv * V + rv, v_ok, cs_stride_c, slot_raw, st_v, w_v, KW, KWP, True)
+    v, win_v = _conv_apply(qkv, cs, chan_v, v_ok, cs_stride_c, slot_raw, st_v, w_v, KW, KWP, True)
     a = tl.load(a_ptr + bi * stride_ab + hv).to(tl.float32) + dt_bias
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = -decay * softplus
@@ -185,16 +192,14 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
         # windows and z took the FP8-quantizing form from 128 to 149, Triton 3.6 for sm_90), so
         # there the tail loads them again.
         if not EARLY_S:
-            st_q, w_q = _conv_taps(cs, cw_ptr, h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
-            st_k, w_k = _conv_taps(cs, cw_ptr, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, KW, KWP)
-            q_again, win_q = _conv_apply(qkv, cs, h * K + rk, k_ok, cs_stride_c, slot_raw, st_q, w_q, KW, KWP,
-                                         False)
-            k_again, win_k = _conv_apply(qkv, cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW,
-                                         KWP, False)
+            win_q = _window(qkv, chan_q, k_ok, _conv_taps(cs, cw_ptr, chan_q, k_ok, cs_stride_c, slot_raw, KW, KWP)[0],
+                            KW, KWP)
+            win_k = _window(qkv, chan_k, k_ok, _conv_taps(cs, cw_ptr, chan_k, k_ok, cs_stride_c, slot_raw, KW, KWP)[0],
+                            KW, KWP)
             silu_z = _silu_z(z_ptr + bi * stride_z, hv_g, rf, gf_ok, V)
             nw = tl.load(nw_ptr + rf, mask=f_ok, other=0.0).to(tl.float32)
-        _shift_conv(cs, h * K + rk, k_ok, cs_stride_c, slot_raw, win_q, KW, KWP)
-        _shift_conv(cs, H * K + h * K + rk, k_ok, cs_stride_c, slot_raw, win_k, KW, KWP)
+        _shift_conv(cs, chan_q, k_ok, cs_stride_c, slot_raw, win_q, KW, KWP)
+        _shift_conv(cs, chan_k, k_ok, cs_stride_c, slot_raw, win_k, KW, KWP)
         # The G value heads at once, [GP, whole V]: one round trip for their o rows.
         of = tl.load(ws_ptr + (bi * HV + hv_g)[:, None] * V + rf[None, :], mask=gf_ok, other=0.0,
                      cache_modifier=".cg")

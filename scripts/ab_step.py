@@ -52,12 +52,10 @@ from ocriaquant.errors import OcriaError
 SKIPPABLE = {"add_rmsnorm": 2, "qk_norm_rope": 3, "gdn_decode": 6, "attn_decode": 1}
 
 
-def skipped(name: str):
-    """A stand-in for kernels.<name>: the real launcher the first time a call site (at a batch
-    size) calls it, those same outputs, and no launch, every time after."""
-    from ocriaquant.runtime import kernels
-
-    real, site, outputs = getattr(kernels, name), SKIPPABLE[name], {}
+def skipped(real, site: int):
+    """A stand-in for launcher `real`: the real launcher the first time a call site (its argument
+    `site`, at a batch size) calls it, those same outputs, and no launch, every time after."""
+    outputs = {}
 
     def stub(*args, **kwargs):
         key = (args[site].data_ptr(), args[0].shape[0])
@@ -77,9 +75,10 @@ def launcher_from(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(f"ocriaquant.runtime.kernels._ab_{name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
+    launcher = getattr(module, name, None)
+    if not callable(launcher):
         raise SystemExit(f"ab_step.py: code:{name}={path}: the file defines no {name}")
-    return module.__dict__[name]
+    return launcher
 
 
 def parse_setting(text: str):
@@ -87,18 +86,17 @@ def parse_setting(text: str):
     'env:NAME=value' -> ("env", None, NAME, "value"); 'skip:gdn_decode' -> ("attr", the kernels
     package, "gdn_decode", its stand-in); 'code:gdn_decode=old.py' -> ("attr", the kernels
     package, "gdn_decode", old.py's gdn_decode)."""
-    if text.startswith("code:"):
-        name, sep, path = text[5:].partition("=")
+    if text.startswith(("code:", "skip:")):  # a launcher of the kernels package, replaced
         kernels = importlib.import_module("ocriaquant.runtime.kernels")
+        name, sep, path = text[5:].partition("=")
+        if text.startswith("skip:"):
+            if name not in SKIPPABLE:
+                raise SystemExit(f"ab_step.py: {text!r}: skip: takes one of {', '.join(SKIPPABLE)}")
+            return ("attr", kernels, name, skipped(getattr(kernels, name), SKIPPABLE[name]))
         if not sep or not callable(getattr(kernels, name, None)):
             raise SystemExit(f"ab_step.py: {text!r} is not code:<launcher>=<file>, a launcher of "
                              "ocriaquant.runtime.kernels (gdn_decode, add_rmsnorm, ...) and a file")
         return ("attr", kernels, name, launcher_from(name, Path(path)))
-    if text.startswith("skip:"):
-        name = text[5:]
-        if name not in SKIPPABLE:
-            raise SystemExit(f"ab_step.py: {text!r}: skip: takes one of {', '.join(SKIPPABLE)}")
-        return ("attr", importlib.import_module("ocriaquant.runtime.kernels"), name, skipped(name))
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise SystemExit(f"ab_step.py: setting {text!r} is not <module>.<NAME>=<value>, env:<NAME>=<value>, "

@@ -7,7 +7,13 @@
   row-wise scales), M = 1…64, on the 4B's fused and member shapes;
 - gdn_decode against fla-core's fused_recurrent_gated_delta_rule plus the transformers glue
   around it (conv update, split, gates, head repeat, gated RMSNorm), B = 1, 32, 64;
-- silu_mul_quant against the unfused torch sequence, M = 64, 256.
+- silu_mul_quant against the unfused torch sequence, M = 64, 256;
+- the floor (`--only floor`): how fast any kernel reads each GEMV shape's bytes under this
+  harness. A plain read-only stream (`stream_read`, every program xor-reduces contiguous
+  16-byte words and writes one word), swept over grid size, warps, loads in flight and PDL,
+  beside the runtime's FP8 / NVFP4 GEMVs on the same bytes, in graphs of >= 64 launches so that
+  the replay's own start is spread thin. Where the best stream misses a % of the copy
+  bandwidth, no GEMV that reads those bytes can reach it in this measurement.
 
 Every kernel is first checked against its float64 reference on fresh random inputs with a
 NaN-poisoned output. Times are medians of CUDA-graph replays, each replay cycling over enough
@@ -31,12 +37,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
 from ocriaquant.runtime.kernels.splitk import geometry
-from ocriaquant.runtime.kernels.tiles import m1_tile
+from ocriaquant.runtime.kernels.tiles import dot_tile, m1_tile
 from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
                                         gemv_nvfp4_ref, quant_fp8_per_token, silu_mul_quant, silu_mul_quant_ref)
 
@@ -46,6 +54,70 @@ FUSED = {"gdn_in (qkv+z)": (12288, 2560), "gdn_out / attn_o": (2560, 4096), "mlp
          "mlp_down": (2560, 9216), "lm_head": (248320, 2560)}
 MEMBERS = {"gdn in_proj_qkv": (8192, 2560), "gdn in_proj_z / attn q_proj": (4096, 2560),
            "mlp gate/up": (9216, 2560), "attn k/v": (1024, 2560)}
+
+
+@triton.jit
+def stream_read_kernel(src_ptr, out_ptr, iters, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """The floor of a weight stream: program p xors words [p·iters·BLOCK, (p+1)·iters·BLOCK) of
+    src (int32) and writes the one word to out[p]. Like the GEMVs, it issues its first block
+    before the PDL wait and the next block before it reduces the current one."""
+    base = tl.program_id(0).to(tl.int64) * iters * BLOCK
+    offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
+    cur = tl.load(src_ptr + base + offs, eviction_policy="evict_first")
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in range(1, iters):
+        nxt = tl.load(src_ptr + base + i * BLOCK + offs, eviction_policy="evict_first")
+        acc ^= cur
+        cur = nxt
+    acc ^= cur
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def stream_read(src: torch.Tensor, out: torch.Tensor, iters: int, block: int, num_warps: int = 4,
+                pdl: bool = False) -> int:
+    """Launch stream_read_kernel over the first programs · iters · block words of src (int32),
+    programs = len(out); returns the words read."""
+    programs = out.numel()
+    if programs * iters * block > src.numel():
+        raise ValueError(f"stream_read: {programs} x {iters} x {block} words past a source of {src.numel()}")
+    pdl = pdl and src.is_cuda
+    stream_read_kernel[(programs,)](src, out, iters, BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+    return programs * iters * block
+
+
+def stream_read_ref(src: torch.Tensor, programs: int, iters: int, block: int) -> torch.Tensor:
+    """Plain torch: what stream_read writes, each program's words xor-reduced (block a power of two)."""
+    w = src[:programs * iters * block].view(programs, iters, block)
+    while w.shape[-1] > 1:
+        half = w.shape[-1] // 2
+        w = w[..., :half] ^ w[..., half:]
+    acc = w[:, 0, 0].clone()
+    for i in range(1, iters):
+        acc ^= w[:, i, 0]
+    return acc
+
+
+def stream_configs(words: int, sms: int) -> list[dict]:
+    """(programs, iters, block, warps) that read at least 97 % of `words` with no masks: 1, 2, 4
+    or 8 16-byte loads per thread a block, 1-16 blocks a program, at least half a wave of programs."""
+    out = []
+    for warps in (4, 8):
+        for vec in (1, 2, 4, 8):
+            block = warps * 32 * 4 * vec
+            for iters in (1, 2, 3, 4, 6, 8, 12, 16):
+                programs = words // (iters * block)
+                if programs >= sms // 2 and programs * iters * block >= 0.97 * words:
+                    out.append(dict(programs=programs, iters=iters, block=block, num_warps=warps))
+    return out
+
+
+def cycled(fns: list, min_launches: int = 64) -> list:
+    """fns repeated until the list has at least min_launches calls: a graph replay's own start
+    (a few µs) then weighs little on each launch's time."""
+    return fns * -(-min_launches // len(fns))
 
 
 def graph_time_us(fn_list, reps: int = 30) -> float:
@@ -252,6 +324,170 @@ def runtime_table(shapes: dict, ms: list[int], log) -> list:
     return table
 
 
+def bench_floor(shapes: dict, ms: list[int], bw: float, log) -> list:
+    """Per shape: the fastest stream_read of its FP8 and NVFP4 weight bytes (copies rotated past
+    L2, the best of stream_configs with and without PDL), beside the runtime's GEMVs on the
+    same shape (QuantLinear's launches: batch 1 at the tiles.py tile, above it gemv_fp8), all in
+    graphs of at least 64 launches; the GEMVs also in bench_gemv's short graphs (one launch per
+    weight copy) to show what the replay's start adds there. %bw as bench_gemv counts it:
+    (weights + scales + activations + output) / time / copy bandwidth."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, (n, k) in shapes.items():
+        W, WQ, WP, gs = weight_copies(n, k)
+        nc = len(W)
+        del W
+        for fmt, wbytes in (("fp8", n * k + n * 2), ("nvfp4", n * k // 2 + n * k // 16)):
+            words = wbytes // 4
+            srcs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
+                    for _ in range(copies_for(wbytes))]
+            best = None
+            for c in stream_configs(words, sms):
+                outs = [torch.empty(c["programs"], dtype=torch.int32, device="cuda") for _ in srcs]
+                outs[0].fill_(-1)
+                read = stream_read(srcs[0], outs[0], c["iters"], c["block"], c["num_warps"])
+                if not torch.equal(outs[0], stream_read_ref(srcs[0], c["programs"], c["iters"], c["block"])):
+                    raise SystemExit(f"stream_read wrong at {c}")
+                for pdl in (False, True):
+                    us = graph_time_us(cycled([lambda i=i: stream_read(srcs[i], outs[i], c["iters"], c["block"],
+                                                                       c["num_warps"], pdl)
+                                               for i in range(len(srcs))]))
+                    if best is None or us < best["us"]:
+                        best = dict(c, pdl=pdl, us=us, read_fraction=round(read / words, 4))
+            del srcs
+            for m in ms if fmt == "fp8" else [1]:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                io = m * k * 2 + m * n * 2
+                outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
+                if fmt == "fp8":
+                    x_q, x_s, *half = quant_fp8_per_token(x, half=m == 1)
+                    kw = dict(x_half=half[0], **m1_tile("fp8", n, k)) if m == 1 else {}
+                    fns = [lambda i=i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], **kw) for i in range(nc)]
+                    outs[0].fill_(float("nan"))
+                    fns[0]()
+                    err = rel(outs[0], gemv_fp8_ref(x_q, x_s, *WQ[0]))
+                else:
+                    pairs = nvfp4_x_pairs(x)
+                    fns = [lambda i=i: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs, m1=WP[i][2],
+                                                  **m1_tile("nvfp4", n, k)) for i in range(nc)]
+                    outs[0].fill_(float("nan"))
+                    fns[0]()
+                    err = rel(outs[0], gemv_nvfp4_ref(x, WP[0][0], WP[0][1], gs))
+                if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
+                    raise SystemExit(f"{fmt} GEMV wrong at {name} M={m}: rel err {err:.2e}")
+                long_us, short_us = graph_time_us(cycled(fns)), graph_time_us(fns)
+                pct = lambda us: round(100 * (wbytes + io) / (us * 1e-6) / bw, 1)  # noqa: E731
+                rows.append({"shape": name, "n": n, "k": k, "format": fmt, "m": m, "bytes": wbytes + io,
+                             "floor_us": round(best["us"], 2), "floor %bw": pct(best["us"]),
+                             "floor_config": {kk: v for kk, v in best.items() if kk != "us"},
+                             "gemv_us": round(long_us, 2), "gemv %bw": pct(long_us),
+                             "gemv_short_graph_us": round(short_us, 2), "gemv short %bw": pct(short_us),
+                             "gemv / floor": round(long_us / best["us"], 2), "rel_err": err})
+                r = rows[-1]
+                log(f"{name:20s} {fmt:5s} M={m:<3d} {(wbytes + io) / 1e6:7.1f} MB  floor {r['floor_us']:7.2f}us "
+                    f"({r['floor %bw']:5.1f}%)  gemv {r['gemv_us']:7.2f}us ({r['gemv %bw']:5.1f}%; short graph "
+                    f"{r['gemv_short_graph_us']:.2f}us, {r['gemv short %bw']}%)  gemv/floor {r['gemv / floor']}")
+        del WQ, WP
+        torch.cuda.empty_cache()
+    return rows
+
+
+# gemv_dot(swap=True) tiles above batch 1: (block_n, block_k, num_warps, num_stages)
+DOT_TILES = ((32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (128, 128, 4, 3),
+             (128, 128, 4, 4), (128, 256, 4, 3))
+# gemv_fp8's batch-1 (half2) tiles tried on the N = 2560 shapes: (block_n, block_k, num_warps, split_k)
+M1_TILES_N2560 = ((8, 2048, 8, 1), (8, 1024, 8, 1), (8, 1024, 4, 1), (16, 1024, 8, 1), (16, 512, 8, 2),
+                  (32, 512, 8, 2), (32, 512, 8, 4), (64, 256, 8, 4), (64, 512, 8, 4), (128, 256, 8, 4),
+                  (128, 512, 8, 4), (256, 256, 8, 8), (64, 512, 8, 3))
+
+
+def bench_fp8_tiles(shapes: dict, ms: list[int], bw: float, log) -> list:
+    """FP8 GEMV tiles, each checked against float64 on a poisoned output, timed in graphs of >= 64
+    launches: above batch 1 gemv_dot's swapped form over DOT_TILES (½, 1, 2, 4 × the auto split) beside
+    the plain form at its old default (16 x 256, 4 warps, 4 stages), cuBLAS BF16 and _scaled_mm;
+    at batch 1 the rule tile and, on the N = 2560 shapes, M1_TILES_N2560."""
+    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
+
+    rows = []
+    for name, (n, k) in shapes.items():
+        W, WQ, _, _ = weight_copies(n, k)
+        nc = len(W)
+        w_q, w_s = WQ[0]
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            x_q, x_s, *half = quant_fp8_per_token(x, half=m == 1)
+            ref = gemv_fp8_ref(x_q, x_s, w_q, w_s)
+            outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
+            wbytes, io = n * k + n * 2, m * k * 2 + m * n * 2
+            pct = lambda us: round(100 * (wbytes + io) / (us * 1e-6) / bw, 1)  # noqa: E731
+
+            def timed(fn, label):
+                outs[0].fill_(float("nan"))
+                fn(0)
+                err = rel(outs[0], ref)
+                if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
+                    raise SystemExit(f"fp8 {label} wrong at {name} M={m}: rel err {err:.2e}")
+                return graph_time_us(cycled([lambda i=i: fn(i) for i in range(nc)]))
+
+            base = {}
+            base["bf16 cuBLAS"] = graph_time_us(cycled([lambda i=i: torch.mm(x, W[i].T, out=outs[i]) for i in range(nc)]))
+            try:
+                base["_scaled_mm"] = graph_time_us(cycled([lambda i=i: torch._scaled_mm(
+                    x_q, WQ[i][0].T, scale_a=x_s.float(), scale_b=w_s.float().reshape(1, n),
+                    out_dtype=torch.bfloat16) for i in range(nc)]))
+            except Exception as e:  # noqa: BLE001 - shapes _scaled_mm refuses are reported, not fatal
+                log(f"  _scaled_mm unavailable at M={m}: {type(e).__name__}: {str(e)[:80]}")
+                base["_scaled_mm"] = float("nan")
+            tried = []
+            if m == 1:
+                rule = m1_tile("fp8", n, k)
+                cands = [dict(rule)] + ([dict(block_n=a, block_k=b, num_warps=c, split_k=d) for a, b, c, d in
+                                         M1_TILES_N2560] if n == 2560 else [])
+                for c in cands:
+                    try:
+                        us = timed(lambda i, c=c: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half[0], **c), c)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+                        log(f"  M=1 tile {c} failed: {type(e).__name__}: {str(e)[:100]}")
+                        continue
+                    tried.append(dict(c, us=round(us, 2), pct=pct(us), rule=c is cands[0]))
+            else:
+                base["plain dot"] = timed(lambda i: gemv_dot(x_q, WQ[i][0], x_s, WQ[i][1], out=outs[i], block_n=16,
+                                                             block_k=256, num_warps=4, num_stages=4), "plain dot")
+                # the lm_head: many row tiles and no split already; its two fastest of session 22
+                for bn, bk, nw, st in DOT_TILES if n < 65536 else ((64, 256, 4, 3), (128, 128, 4, 3)):
+                    auto = geometry(n, k, bn, bk, x.device)[1]
+                    # half, once, twice and four times the automatic split, each split >= 2 K-steps
+                    for split in sorted({sp for sp in (max(1, auto // 2), auto, 2 * auto, 4 * auto)
+                                         if k // sp >= 2 * bk} or {1}):
+                        c = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=st, split_k=split)
+                        try:
+                            us = timed(lambda i, c=c: gemv_dot(x_q, WQ[i][0], x_s, WQ[i][1], out=outs[i], swap=True,
+                                                               **c), c)
+                        except Exception as e:  # noqa: BLE001 - e.g. shared memory past the limit: reported
+                            log(f"  dot tile {c} failed: {type(e).__name__}: {str(e)[:100]}")
+                            continue
+                        tried.append(dict(c, us=round(us, 2), pct=pct(us), auto_split=split == auto))
+                rule = dot_tile("fp8", n, k, m)
+                base["rule"] = timed(lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i]), "rule")
+            best = min(tried, key=lambda t: t["us"])
+            row = {"shape": name, "n": n, "k": k, "m": m, "bytes": wbytes + io, "best": best,
+                   "best %bw": best["pct"], **{f"{kk} us": round(v, 2) for kk, v in base.items()},
+                   "best vs cuBLAS": round(base["bf16 cuBLAS"] / best["us"], 2),
+                   "best vs _scaled_mm": round(base["_scaled_mm"] / best["us"], 2), "tried": tried}
+            if m > 1:
+                row["rule %bw"] = pct(base["rule"])
+                row["best vs plain dot"] = round(base["plain dot"] / best["us"], 2)
+            rows.append(row)
+            tile = {kk: best[kk] for kk in best if kk not in ("us", "pct", "rule", "auto_split")}
+            log(f"{name:20s} M={m:<3d} best {best['us']:7.2f}us ({best['pct']:5.1f}%) {tile}  cuBLAS "
+                f"{base['bf16 cuBLAS']:.2f}us  _scaled_mm {base['_scaled_mm']:.2f}us"
+                + (f"  plain dot {base['plain dot']:.2f}us  rule {base['rule']:.2f}us ({row['rule %bw']}%)"
+                   if m > 1 else ""))
+        del W, WQ
+        torch.cuda.empty_cache()
+    return rows
+
+
 def unfused_silu_mul_fp8(gate, up):
     """The torch sequence the fused kernel replaces (capturable: no host scalars)."""
     h = F.silu(gate) * up
@@ -418,7 +654,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--only", default="gemv,silu,gdn",
                     help="comma-separated: gemv (kernels against baselines, tiles swept), silu, gdn, "
-                         "table (the latency table of what the runtime launches, written to --table)")
+                         "table (the latency table of what the runtime launches, written to --table), "
+                         "floor (the fastest read of each shape's bytes beside the runtime's GEMVs), "
+                         "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1)")
     ap.add_argument("--shapes", default="all", choices=("all", "fused"),
                     help="GEMV shapes for --only gemv: the fused units and their members, or fused only")
     args = ap.parse_args()
@@ -433,7 +671,6 @@ def main() -> None:
     log(f"{gpu}: device copy {bw / 1e12:.2f} TB/s")
     result = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "copy_tb_s": round(bw / 1e12, 3)}
-    import triton
     result["triton"] = triton.__version__
     if "silu" in only:
         result["silu_mul_quant"] = bench_silu(bw, log)
@@ -444,6 +681,10 @@ def main() -> None:
         ms = [int(v) for v in args.batches.split(",")]
         rows = bench_gemv({**FUSED, **MEMBERS} if args.shapes == "all" else FUSED, ms, bw, log)
         result["gemv"] = rows
+    if "fp8" in only:
+        result["fp8_tiles"] = bench_fp8_tiles(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
+    if "floor" in only:
+        result["floor"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
     if "table" in only:  # the fused units and their members: search looks both up
         table = runtime_table({**FUSED, **MEMBERS}, [int(v) for v in args.batches.split(",")], log)
         result["table"] = table

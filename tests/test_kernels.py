@@ -251,6 +251,60 @@ def test_gemv_nvfp4_m1_activation_range(scale):
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("m,n,k,block_n,block_k,split", [(2, 200, 384, 64, 128, 1), (8, 130, 640, 64, 128, 3),
+                                                         (5, 96, 600, 32, 128, 2), (33, 256, 1024, 128, 128, 2),
+                                                         (64, 64, 512, 64, 64, None)])
+def test_gemv_dot_swapped(fmt, m, n, k, block_n, block_k, split):
+    """The tensor-core GEMV with the weight rows as the MMA's long side (what gemv_fp8 runs above
+    batch 1) against float64, over uneven rows (N % block_n), uneven K (K % block_k) and split K,
+    twice (its split-K tickets reset themselves), and equal to the plain form up to fp32 order."""
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import gemv_bf16_ref, gemv_fp8_ref, quant_fp8_per_token
+    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
+
+    torch.manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    if fmt == "fp8":
+        w_q, w_s = fp8.quantize_weight(w)
+        x_q, x_s = quant_fp8_per_token(x)
+        args, ref = (x_q, w_q, x_s, w_s), gemv_fp8_ref(x_q, x_s, w_q, w_s)
+    else:
+        args, ref = (x, w), gemv_bf16_ref(x, w)
+    tile = dict(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3)
+    for _ in range(2):
+        out = gemv_dot(*args, out=poisoned(m, n), swap=True, **tile)
+        assert torch.isfinite(out).all()
+        assert rel(out, ref) <= 1e-2
+    assert rel(out, gemv_dot(*args, out=poisoned(m, n), split_k=split)) <= 1e-2
+
+
+def test_gemv_fp8_batch_tiles_from_the_rule_or_the_override(monkeypatch):
+    """Above batch 1 gemv_fp8 takes tiles.dot_tile's tile, an explicit argument over it, and
+    OCRIAQUANT_TILE_fp8_dot_<n>x<k> over the rule."""
+    import importlib
+
+    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
+    from ocriaquant.runtime.kernels.tiles import dot_tile
+
+    gf = importlib.import_module("ocriaquant.runtime.kernels.gemv_fp8")  # the module, not the function
+
+    seen = []
+    monkeypatch.setattr(gf, "gemv_dot", lambda *a, **kw: seen.append(kw) or gemv_dot(*a, **kw))
+    w_q = torch.zeros(64, 256, dtype=torch.float8_e4m3fn, device=DEV)
+    x_q, x_s, w_s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(4, 1, device=DEV), \
+        torch.ones(64, 1, device=DEV)
+    rule = dot_tile("fp8", 64, 256, 4)
+    gf.gemv_fp8(x_q, x_s, w_q, w_s)
+    gf.gemv_fp8(x_q, x_s, w_q, w_s, block_k=64)
+    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2")
+    gf.gemv_fp8(x_q, x_s, w_q, w_s)
+    assert seen[0]["swap"] and {k: seen[0][k] for k in rule} == rule
+    assert seen[1]["block_k"] == 64 and seen[1]["block_n"] == rule["block_n"]
+    assert (seen[2]["block_n"], seen[2]["block_k"], seen[2]["num_warps"], seen[2]["split_k"]) == (32, 64, 4, 2)
+
+
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (6, 32, 768, 2), (17, 16, 512, 1)])
 def test_gemv_bf16(m, n, k, split):
     from ocriaquant.runtime.kernels import gemv_bf16, gemv_bf16_ref

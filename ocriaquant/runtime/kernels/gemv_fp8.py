@@ -21,6 +21,7 @@ from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
 from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
                      wait_for_inputs, whole_tile_mask, workspace)
+from .tiles import dot_tile
 
 
 @triton.jit
@@ -167,34 +168,40 @@ def gemv_fp8_quantizing(x: torch.Tensor, x_amax: torch.Tensor, w_q: torch.Tensor
 
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-             out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
-             split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+             out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+             split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
              path: str = "auto", pdl: bool | None = None, x_half: torch.Tensor | None = None,
              partials: bool = False) -> torch.Tensor | Partials:
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
     path: "half2" (M = 1, paired fp16 on CUDA cores), "fma" (M = 1, fp32 on CUDA cores:
-    gemv_m1.py), "dot" (tensor cores), "auto" (half2 at M = 1 where K and the rows allow).
+    gemv_m1.py), "dot" (tensor cores, gemv_dot's swapped form), "auto" (half2 at M = 1 where K
+    and the rows allow, dot above). Tile arguments left None: 16 × 256, 4 warps at M = 1 (the
+    runtime passes tiles.m1_tile's), tiles.dot_tile's on the tensor cores.
     x_half: fp16 [1, K], x_q's values × 2^-8 (half2.fp8_pairs), already written by the
     producer, for the half2 path (None: converted here, one more launch). partials: on the half2
     path, when K is split, return the splits' fp32 sums unreduced (partials.Partials, for
     add_rmsnorm) instead of the bf16 output."""
     m, k = x_q.shape
+    n = w_q.shape[0]
     if w_q.shape[1] != k:
         raise ValueError(f"gemv_fp8: x has K={k} but the weight is {tuple(w_q.shape)}")
     if m > 64:
         raise ValueError(f"gemv_fp8 is for decode (M <= 64), got M={m}; use torch._scaled_mm above that")
     half2_ok = k % 16 == 0 and w_q.stride(1) == 1 and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0
-    if path == "half2" or (path == "auto" and m == 1 and half2_ok):
+    dot = path == "dot" or (path == "auto" and m > 1)
+    given = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    tile = {**(dot_tile("fp8", n, k, m) if dot else dict(block_n=16, block_k=256, num_warps=4, num_stages=4)),
+            **{key: v for key, v in given.items() if v is not None}}
+    if dot:
+        return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, swap=True, pdl=pdl, **tile)
+    if path == "half2" or (path == "auto" and half2_ok):
         if m != 1 or not half2_ok:
             raise ValueError(f"gemv_fp8: the half2 path is for M = 1 and K a multiple of 16 with aligned rows, "
                              f"got M={m}, w {tuple(w_q.shape)}")
-        return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl,
-                            x_half, partials)
-    if path == "fma" or (path == "auto" and m == 1):
-        return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
-                       num_warps=num_warps, pdl=pdl)
-    return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, block_n=block_n, block_k=block_k, split_k=split_k,
-                    num_warps=num_warps, num_stages=num_stages)
+        return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, tile["block_n"], tile["block_k"], tile.get("split_k"),
+                            tile["num_warps"], tile["num_stages"], pdl, x_half, partials)
+    tile.pop("num_stages")
+    return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, pdl=pdl, **tile)
 
 
 @triton.jit

@@ -38,9 +38,18 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   32 × 512 and 64 × 256 on 8 warps were slower or equal, as were other FP8 down_proj
   (2560 × 9216) and gate_up tiles in the latency table.
 
+Above batch 1 FP8 runs on the tensor cores, gemv_dot's swapped form (dot_tile): 64 weight rows
+a CTA on one warpgroup, unsplit where K = 2560 or 4096 (K-steps of 256 on 3 stages up to batch
+32, of 128 on 4 above; 512 on 3 for K = 4096), split 6 (K-steps of 128) or, above batch 32, 2
+(of 512) for down_proj. Swept on an H200 (scripts/bench_kernels.py --only fp8, session 22) over
+32-128 rows, K-steps of 128-512, 3-4 stages and ½-4 × the automatic split at batch 8, 32, 64: each
+shape's best there is within 12 % of the rule's tile (mlp_up at batch 8: 64 × 128 / 4 stages,
+13.7 µs against 15.4). Two warpgroups (8 warps) were slower wherever tried.
+
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
-shape (kind: bf16, fp8, nvfp4, nvfp4_silu): how a tile is re-swept inside the decode step, or
-tuned for a GPU other than the H200, without editing code.
+shape (kind: bf16, fp8, nvfp4, nvfp4_silu, and fp8_dot for the tensor-core path at every batch
+above 1): how a tile is re-swept inside the decode step, or tuned for a GPU other than the
+H200, without editing code.
 """
 
 from __future__ import annotations
@@ -81,6 +90,21 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         return dict(block_n=8, block_k=bk)
     # the fused gate_up (N > 16384; 4 rows of gate and 4 of up a CTA), the lm_head and narrow shapes
     return dict(block_n=4 if n > 16384 and not head else 16, block_k=bk)
+
+
+def dot_tile(kind: str, n: int, k: int, m: int) -> dict:
+    """Keyword arguments for gemv_dot(swap=True) at batch m > 1 (kind "fp8")."""
+    override = tile_override(f"{kind}_dot", n, k)
+    if override is not None:
+        return {"num_stages": 4, **override}
+    if k >= 8192:  # down_proj: few row tiles, so K is split
+        return dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=6) if m <= 32 else \
+            dict(block_n=64, block_k=512, num_warps=4, num_stages=3, split_k=2)
+    if k >= 4096:  # out_proj / o_proj
+        return dict(block_n=64, block_k=512, num_warps=4, num_stages=3, split_k=1)
+    # the input projections and the lm_head (K = 2560): enough row tiles unsplit
+    return dict(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1) if m <= 32 else \
+        dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1)
 
 
 def tile_override_name(kind: str, n: int, k: int) -> str:

@@ -70,6 +70,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", w)
         self.out_features, self.in_features = w.shape
         self._m1_tiles: dict[str, dict] = {}  # the batch-1 GEMV tiles by kernel kind (_m1_tile), on first use
+        self._dot_tiles: dict[int, dict] = {}  # FP8 above batch 1: the tensor-core GEMV's tile by batch (_dot_tile)
         self.register_buffer("w_m1", None)  # NVFP4: the batch-1 kernel's weight words (pack_m1)
         self.register_buffer("w_m1_scale", None)
         self.m1_interleaved = False
@@ -122,7 +123,7 @@ class QuantLinear(nn.Module):
         from .kernels import gemv_bf16, gemv_fp8, gemv_fp8_quantizing, gemv_nvfp4, quant_fp8_per_token
 
         m = x.shape[0]
-        tile = self._m1_tile() if m == 1 else {}
+        tile = self._m1_tile() if m == 1 else self._dot_tile(m) if self.kind == "fp8" else {}
         # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs, fp32 for
         # x's absmax in parts (batch 1, FP8: quantized inside the GEMV)
         form = None if x_q is None else x_q[0].dtype
@@ -149,6 +150,14 @@ class QuantLinear(nn.Module):
 
             self._m1_tiles[kind] = m1_tile(kind, self.out_features, self.in_features)
         return self._m1_tiles[kind]
+
+    def _dot_tile(self, m: int) -> dict:
+        """The FP8 tensor-core GEMV's tile at batch m > 1 (kernels/tiles.dot_tile), looked up once per m."""
+        if m not in self._dot_tiles:
+            from .kernels.tiles import dot_tile
+
+            self._dot_tiles[m] = dot_tile(self.kind, self.out_features, self.in_features, m)
+        return self._dot_tiles[m]
 
     def _m1(self) -> tuple | None:
         if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls

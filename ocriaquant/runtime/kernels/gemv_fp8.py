@@ -189,9 +189,13 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
         raise ValueError(f"gemv_fp8 is for decode (M <= 64), got M={m}; use torch._scaled_mm above that")
     half2_ok = k % 16 == 0 and w_q.stride(1) == 1 and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0
     dot = path == "dot" or (path == "auto" and m > 1)
-    given = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
-    tile = {**(dot_tile("fp8", n, k, m) if dot else dict(block_n=16, block_k=256, num_warps=4, num_stages=4)),
-            **{key: v for key, v in given.items() if v is not None}}
+    given = {key: v for key, v in dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                                       num_stages=num_stages).items() if v is not None}
+    if len(given) == 5:  # a whole tile (QuantLinear's, looked up once): no rule to consult
+        tile = given
+    else:
+        tile = {**(dot_tile("fp8", n, k, m) if dot else dict(block_n=16, block_k=256, num_warps=4, num_stages=4)),
+                **given}
     if dot:
         return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, swap=True, pdl=pdl, **tile)
     if path == "half2" or (path == "auto" and half2_ok):

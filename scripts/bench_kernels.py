@@ -8,12 +8,14 @@
 - gdn_decode against fla-core's fused_recurrent_gated_delta_rule plus the transformers glue
   around it (conv update, split, gates, head repeat, gated RMSNorm), B = 1, 32, 64;
 - silu_mul_quant against the unfused torch sequence, M = 64, 256;
-- the floor (`--only floor`): how fast any kernel reads each GEMV shape's bytes under this
-  harness. A plain read-only stream (`stream_read`, every program xor-reduces contiguous
+- the floor (`--only floor`): the fastest plain read found of each GEMV shape's bytes under
+  this harness. A read-only stream (`stream_read`, every program xor-reduces contiguous
   16-byte words and writes one word), swept over grid size, warps, loads in flight and PDL,
   beside the runtime's FP8 / NVFP4 GEMVs on the same bytes, in graphs of >= 64 launches so that
   the replay's own start is spread thin. Where the best stream misses a % of the copy
-  bandwidth, no GEMV that reads those bytes can reach it in this measurement.
+  bandwidth, a GEMV that must read those bytes and compute too is not expected to reach it;
+- FP8 tiles (`--only fp8`): gemv_fp8's tiles at each batch, the tensor-core form's swept
+  above batch 1, beside the old form, cuBLAS BF16 and _scaled_mm (what tiles.dot_tile is from).
 
 Every kernel is first checked against its float64 reference on fresh random inputs with a
 NaN-poisoned output. Times are medians of CUDA-graph replays, each replay cycling over enough

@@ -46,7 +46,7 @@ from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
 from ocriaquant.runtime.kernels.splitk import geometry
-from ocriaquant.runtime.kernels.tiles import dot_tile, m1_tile
+from ocriaquant.runtime.kernels.tiles import m1_tile
 from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
                                         gemv_nvfp4_ref, quant_fp8_per_token, silu_mul_quant, silu_mul_quant_ref)
 
@@ -469,7 +469,6 @@ def bench_fp8_tiles(shapes: dict, ms: list[int], bw: float, log) -> list:
                             log(f"  dot tile {c} failed: {type(e).__name__}: {str(e)[:100]}")
                             continue
                         tried.append(dict(c, us=round(us, 2), pct=pct(us), auto_split=split == auto))
-                rule = dot_tile("fp8", n, k, m)
                 base["rule"] = timed(lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i]), "rule")
             best = min(tried, key=lambda t: t["us"])
             row = {"shape": name, "n": n, "k": k, "m": m, "bytes": wbytes + io, "best": best,

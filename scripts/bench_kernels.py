@@ -14,6 +14,8 @@
   beside the runtime's FP8 / NVFP4 GEMVs on the same bytes, in graphs of >= 64 launches so that
   the replay's own start is spread thin. Where the best stream misses a % of the copy
   bandwidth, a GEMV that must read those bytes and compute too is not expected to reach it;
+- the GEMVs of the floor run alone (`--only rules`): the runtime's FP8 / NVFP4 launches at their
+  tiles.py tiles in the same long graphs, without the stream sweep;
 - FP8 tiles (`--only fp8`): gemv_fp8's tiles at each batch, the tensor-core form's swept
   above batch 1, beside the old form, cuBLAS BF16 and _scaled_mm (what tiles.dot_tile is from).
 
@@ -326,13 +328,14 @@ def runtime_table(shapes: dict, ms: list[int], log) -> list:
     return table
 
 
-def bench_floor(shapes: dict, ms: list[int], bw: float, log) -> list:
+def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True) -> list:
     """Per shape: the fastest stream_read of its FP8 and NVFP4 weight bytes (copies rotated past
     L2, the best of stream_configs with and without PDL), beside the runtime's GEMVs on the
     same shape (QuantLinear's launches: batch 1 at the tiles.py tile, above it gemv_fp8), all in
     graphs of at least 64 launches; the GEMVs also in bench_gemv's short graphs (one launch per
     weight copy) to show what the replay's start adds there. %bw as bench_gemv counts it:
-    (weights + scales + activations + output) / time / copy bandwidth."""
+    (weights + scales + activations + output) / time / copy bandwidth. sweep False (--only
+    rules): the GEMVs alone, no stream_read sweep, in a fraction of the time."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name, (n, k) in shapes.items():
@@ -344,7 +347,7 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log) -> list:
             srcs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
                     for _ in range(copies_for(wbytes))]
             best = None
-            for c in stream_configs(words, sms):
+            for c in stream_configs(words, sms) if sweep else []:
                 outs = [torch.empty(c["programs"], dtype=torch.int32, device="cuda") for _ in srcs]
                 outs[0].fill_(-1)
                 read = stream_read(srcs[0], outs[0], c["iters"], c["block"], c["num_warps"])
@@ -379,16 +382,19 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log) -> list:
                     raise SystemExit(f"{fmt} GEMV wrong at {name} M={m}: rel err {err:.2e}")
                 long_us, short_us = graph_time_us(cycled(fns)), graph_time_us(fns)
                 pct = lambda us: round(100 * (wbytes + io) / (us * 1e-6) / bw, 1)  # noqa: E731
-                rows.append({"shape": name, "n": n, "k": k, "format": fmt, "m": m, "bytes": wbytes + io,
-                             "floor_us": round(best["us"], 2), "floor %bw": pct(best["us"]),
-                             "floor_config": {kk: v for kk, v in best.items() if kk != "us"},
-                             "gemv_us": round(long_us, 2), "gemv %bw": pct(long_us),
-                             "gemv_short_graph_us": round(short_us, 2), "gemv short %bw": pct(short_us),
-                             "gemv / floor": round(long_us / best["us"], 2), "rel_err": err})
-                r = rows[-1]
-                log(f"{name:20s} {fmt:5s} M={m:<3d} {(wbytes + io) / 1e6:7.1f} MB  floor {r['floor_us']:7.2f}us "
-                    f"({r['floor %bw']:5.1f}%)  gemv {r['gemv_us']:7.2f}us ({r['gemv %bw']:5.1f}%; short graph "
-                    f"{r['gemv_short_graph_us']:.2f}us, {r['gemv short %bw']}%)  gemv/floor {r['gemv / floor']}")
+                r = {"shape": name, "n": n, "k": k, "format": fmt, "m": m, "bytes": wbytes + io,
+                     "gemv_us": round(long_us, 2), "gemv %bw": pct(long_us),
+                     "gemv_short_graph_us": round(short_us, 2), "gemv short %bw": pct(short_us), "rel_err": err}
+                floor = ""
+                if best is not None:
+                    r.update({"floor_us": round(best["us"], 2), "floor %bw": pct(best["us"]),
+                              "floor_config": {kk: v for kk, v in best.items() if kk != "us"},
+                              "gemv / floor": round(long_us / best["us"], 2)})
+                    floor = f"floor {r['floor_us']:7.2f}us ({r['floor %bw']:5.1f}%)  "
+                rows.append(r)
+                log(f"{name:20s} {fmt:5s} M={m:<3d} {(wbytes + io) / 1e6:7.1f} MB  {floor}gemv {r['gemv_us']:7.2f}us "
+                    f"({r['gemv %bw']:5.1f}%; short graph {r['gemv_short_graph_us']:.2f}us, {r['gemv short %bw']}%)"
+                    + (f"  gemv/floor {r['gemv / floor']}" if floor else ""))
         del WQ, WP
         torch.cuda.empty_cache()
     return rows
@@ -657,7 +663,8 @@ def main() -> None:
                     help="comma-separated: gemv (kernels against baselines, tiles swept), silu, gdn, "
                          "table (the latency table of what the runtime launches, written to --table), "
                          "floor (the fastest read of each shape's bytes beside the runtime's GEMVs), "
-                         "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1)")
+                         "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1), "
+                         "rules (floor's GEMVs alone: the runtime's tiles in long graphs, no sweep)")
     ap.add_argument("--shapes", default="all", choices=("all", "fused"),
                     help="GEMV shapes for --only gemv: the fused units and their members, or fused only")
     args = ap.parse_args()
@@ -686,6 +693,8 @@ def main() -> None:
         result["fp8_tiles"] = bench_fp8_tiles(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
     if "floor" in only:
         result["floor"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
+    if "rules" in only:
+        result["rules"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log, sweep=False)
     if "table" in only:  # the fused units and their members: search looks both up
         table = runtime_table({**FUSED, **MEMBERS}, [int(v) for v in args.batches.split(",")], log)
         result["table"] = table

@@ -300,9 +300,15 @@ def test_gemv_fp8_batch_tiles_from_the_rule_or_the_override(monkeypatch):
     gf.gemv_fp8(x_q, x_s, w_q, w_s, block_k=64)
     monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2")
     gf.gemv_fp8(x_q, x_s, w_q, w_s)
+    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2,6")  # and the pipeline's depth
+    gf.gemv_fp8(x_q, x_s, w_q, w_s)
     assert seen[0]["swap"] and {k: seen[0][k] for k in rule} == rule
     assert seen[1]["block_k"] == 64 and seen[1]["block_n"] == rule["block_n"]
     assert (seen[2]["block_n"], seen[2]["block_k"], seen[2]["num_warps"], seen[2]["split_k"]) == (32, 64, 4, 2)
+    assert seen[2]["num_stages"] == 4 and seen[3]["num_stages"] == 6 and seen[3]["split_k"] == 2
+    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2,6,1")
+    with pytest.raises(ValueError, match="num_stages"):
+        gf.gemv_fp8(x_q, x_s, w_q, w_s)
 
 
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (6, 32, 768, 2), (17, 16, 512, 1)])

@@ -81,7 +81,13 @@ def _gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M,
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    wait_for_inputs(PDL)  # the pipeline's prologue loads weights and x together: nothing before the wait
+    # The scales load before the loop, the weights' before the wait: after it they cost the tail a
+    # round trip (batch 8-64 on an H200: 5-8 % of each shape's time, BENCHMARKS.md, session 23).
+    if SCALED:
+        wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)  # the pipeline's prologue loads weights and x together: nothing of theirs before it
+    if SCALED:
+        xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
     for k0 in tl.range(k_start, k_end, BK, num_stages=STAGES):
         ks = k0 + rk
         w_ptrs = w_ptr + rn[:, None] * stride_wn + ks[None, :]
@@ -98,7 +104,6 @@ def _gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M,
             x = tl.load(x_ptrs, mask=(rm < M)[:, None] & (ks < K)[None, :], other=0.0)
         acc = _dot(w, x, acc, SCALED, INTERPRET)
     if SCALED:
-        xs, wsc = _scales(xs_ptr, wsc_ptr, rm, rn, M, N)
         acc = acc * wsc[:, None] * xs[None, :]
     store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
 

@@ -82,7 +82,8 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
                         x_ptr, amax_ptr, px_ptr, n_parts,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                        EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr):
+                        EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr,
+                        EARLY: tl.constexpr):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -96,7 +97,11 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
     if WHOLE:  # splits start on a whole K-tile (16-byte aligned rows: see the launch)
         q_first = tl.multiple_of(q_first, NQ)
     v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
+    if EARLY:  # where it measured faster (early_scales)
+        wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
+    if EARLY and not QX:
+        xs = tl.load(xs_ptr)
     if QX:  # the scratch, addressed like xh from the slice's first value on
         px = px_ptr + (pid_n * SPLIT_K + pid_k) * K_PER_SPLIT
         xs = _quantize_slice(x_ptr, amax_ptr, n_parts, px, k_start, k_end, NP, BQ)
@@ -114,10 +119,21 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
         v0, v1, v2, v3 = n0, n1, n2, n3
     acc = _quads_acc(acc, v0, v1, v2, v3, q_last, q_end, xh_ptr, NQ, INTERPRET, V4)
-    if not QX:
-        xs = tl.load(xs_ptr)
-    y = tl.sum(acc, 1) * (256.0 * xs) * tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    if not EARLY:
+        if not QX:
+            xs = tl.load(xs_ptr)
+        wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    y = tl.sum(acc, 1) * (256.0 * xs) * wsc
     store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
+
+
+def early_scales(qx: bool, splits: int, num_warps: int) -> bool:
+    """Whether the batch-1 kernel loads its scales before the K loop rather than after it. Timed
+    both ways on an H200 (BENCHMARKS.md, session 23), before was faster by 2-4.5 % on the
+    quantizing form and on unsplit 8-warp tiles (the GDN and attention input projections), and
+    slower by 2-20 % on the rest (the 4-warp gate_up tile most); the compiled loops differ, the
+    cause is not known. So before only where it measured faster."""
+    return qx or (splits == 1 and num_warps == 8)
 
 
 def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half,
@@ -146,7 +162,8 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                               WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
                               EVEN_N=n % block_n == 0, QX=qx,
                               NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
-                              BQ=min(1024, triton.next_power_of_2(k_per)), launch_pdl=pdl)
+                              BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
+                              launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

@@ -132,6 +132,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
     b_end = k_end // 16
     v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
                            INTERPRET, WHOLE)
+    gs = tl.load(gs_ptr)  # here, not after the loop: mixed batch 1 on an H200 1.643 -> 1.635 ms (session 23)
     wait_for_inputs(PDL)
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
@@ -155,7 +156,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
             acc += part * (s.to(tl.float32) * xs[None, :])
         v0, v1, s = n0, n1, ns
     # w = E2M1 · s / global; the sums hold E2M1 · 2^-14 · x · 2^(14 - e), times 2^e above.
-    y = tl.sum(acc, 1) / tl.load(gs_ptr)
+    y = tl.sum(acc, 1) / gs
     if SILU:  # SPLIT_K == 1, BN a multiple of 32 (gemv_nvfp4_silu): rows [16 gate, 16 up] per block
         gu = tl.permute(tl.reshape(round_bf16(y), (BN // 32, 2, 16)), (0, 2, 1))  # gate, up as bf16 stores them
         g, u = tl.split(gu)

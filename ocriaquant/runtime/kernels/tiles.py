@@ -39,16 +39,20 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   (2560 × 9216) and gate_up tiles in the latency table.
 
 Above batch 1 FP8 runs on the tensor cores, gemv_dot's swapped form (dot_tile): 64 weight rows
-a CTA on one warpgroup, unsplit where K = 2560 or 4096 (K-steps of 256 on 3 stages up to batch
-32, of 128 on 4 above; 512 on 3 for K = 4096), split 6 (K-steps of 128) or, above batch 32, 2
-(of 512) for down_proj. Swept on an H200 (scripts/bench_kernels.py --only fp8, session 22) over
-32-128 rows, K-steps of 128-512, 3-4 stages and ½-4 × the automatic split at batch 8, 32, 64: each
-shape's best there is within 12 % of the rule's tile (mlp_up at batch 8: 64 × 128 / 4 stages,
-13.7 µs against 15.4). Two warpgroups (8 warps) were slower wherever tried.
+a CTA on one warpgroup, unsplit where K = 2560 (K-steps of 256 on 3 stages up to batch 32, of 128
+on 4 above). Swept on an H200 (scripts/bench_kernels.py --only fp8, session 22) over 32-128 rows,
+K-steps of 128-512, 3-4 stages and ½-4 × the automatic split at batch 8, 32, 64: each shape's best
+there is within 12 % of the rule's tile (mlp_up at batch 8: 64 × 128 / 4 stages, 13.7 µs against
+15.4). Two warpgroups (8 warps) were slower wherever tried. Session 23 swept deeper pipelines on the
+N = 2560 shapes, which have only 40 row tiles: K = 4096 (out_proj / o_proj) now takes K-steps of
+256 on 6 stages, unsplit (batch 8 / 32 / 64: 5.95 / 6.38 / 7.51 µs against 6.50 / 7.06 / 7.96 for
+512 on 3), down_proj (K ≥ 8192) K-steps of 128 on 8 stages split 3 at every batch (8.93 / 10.19 /
+11.22 µs against 9.44 / 11.08 / 13.10 for split 6 / 6 / 2). For K = 2560 the deeper pipelines
+were 8-20 % slower.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
 shape (kind: bf16, fp8, nvfp4, nvfp4_silu, and fp8_dot for the tensor-core path at every batch
-above 1): how a tile is re-swept inside the decode step, or tuned for a GPU other than the
+above 1, which also takes the pipeline's depth: "block_n,block_k,num_warps,split_k,num_stages"): how a tile is re-swept inside the decode step, or tuned for a GPU other than the
 H200, without editing code.
 """
 
@@ -97,11 +101,10 @@ def dot_tile(kind: str, n: int, k: int, m: int) -> dict:
     override = tile_override(f"{kind}_dot", n, k)
     if override is not None:
         return {"num_stages": 4, **override}
-    if k >= 8192:  # down_proj: few row tiles, so K is split
-        return dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=6) if m <= 32 else \
-            dict(block_n=64, block_k=512, num_warps=4, num_stages=3, split_k=2)
+    if k >= 8192:  # down_proj: few row tiles, so K is split, and deep pipelines keep each CTA reading
+        return dict(block_n=64, block_k=128, num_warps=4, num_stages=8, split_k=3)
     if k >= 4096:  # out_proj / o_proj
-        return dict(block_n=64, block_k=512, num_warps=4, num_stages=3, split_k=1)
+        return dict(block_n=64, block_k=256, num_warps=4, num_stages=6, split_k=1)
     # the input projections and the lm_head (K = 2560): enough row tiles unsplit
     return dict(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=1) if m <= 32 else \
         dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1)
@@ -122,8 +125,10 @@ def tile_override(kind: str, n: int, k: int) -> dict | None:
         v = [int(t) for t in value.split(",")]
     except ValueError:
         v = []
-    if len(v) not in (3, 4 - (kind == "nvfp4_silu")) or min(v) <= 0 or any(t & (t - 1) for t in v[:3]):
+    lengths = (3,) if kind == "nvfp4_silu" else (3, 4, 5) if kind.endswith("_dot") else (3, 4)
+    if len(v) not in lengths or min(v) <= 0 or any(t & (t - 1) for t in v[:3]):
         raise ValueError(f"{name}={value!r}: expected 'block_n,block_k,num_warps[,split_k]' (no split_k for "
-                         "nvfp4_silu), positive integers, the first three powers of two (e.g. 128,512,8,8); "
-                         "unset it to use the built-in rule")
-    return dict(block_n=v[0], block_k=v[1], num_warps=v[2], **({"split_k": v[3]} if len(v) == 4 else {}))
+                         "nvfp4_silu; fp8_dot also takes ',num_stages' after split_k), positive integers, the "
+                         "first three powers of two (e.g. 128,512,8,8); unset it to use the built-in rule")
+    return dict(block_n=v[0], block_k=v[1], num_warps=v[2], **({"split_k": v[3]} if len(v) >= 4 else {}),
+                **({"num_stages": v[4]} if len(v) == 5 else {}))

@@ -14,6 +14,9 @@
   beside the runtime's FP8 / NVFP4 GEMVs on the same bytes, in graphs of >= 64 launches so that
   the replay's own start is spread thin. Where the best stream misses a % of the copy
   bandwidth, a GEMV that must read those bytes and compute too is not expected to reach it;
+- the floor of a read that must also wait for its input (`--only floorx`, batch 1, N = 2560
+  shapes): stream_read again, reading an activation K-step from L2 after the PDL wait before
+  its first reduction, as every GEMV must;
 - the GEMVs of the floor run alone (`--only rules`): the runtime's FP8 / NVFP4 launches at their
   tiles.py tiles in the same long graphs, without the stream sweep;
 - FP8 tiles (`--only fp8`): gemv_fp8's tiles at each batch, the tensor-core form's swept
@@ -61,10 +64,13 @@ MEMBERS = {"gdn in_proj_qkv": (8192, 2560), "gdn in_proj_z / attn q_proj": (4096
 
 
 @triton.jit
-def stream_read_kernel(src_ptr, out_ptr, iters, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def stream_read_kernel(src_ptr, out_ptr, iters, x_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                       X_WORDS: tl.constexpr):
     """The floor of a weight stream: program p xors words [p·iters·BLOCK, (p+1)·iters·BLOCK) of
     src (int32) and writes the one word to out[p]. Like the GEMVs, it issues its first block
-    before the PDL wait and the next block before it reduces the current one."""
+    before the PDL wait and the next block before it reduces the current one. X_WORDS > 0: after
+    the wait it also reads X_WORDS words at x_ptr (an activation K-step, from L2, as a GEMV's
+    first product must) and folds their xor into the result before reducing its first block."""
     base = tl.program_id(0).to(tl.int64) * iters * BLOCK
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
     cur = tl.load(src_ptr + base + offs, eviction_policy="evict_first")
@@ -72,6 +78,9 @@ def stream_read_kernel(src_ptr, out_ptr, iters, BLOCK: tl.constexpr, PDL: tl.con
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    if X_WORDS > 0:
+        xs = tl.xor_sum(tl.load(x_ptr + tl.arange(0, X_WORDS)), 0)
+        acc = tl.where(offs == 0, xs, acc)  # once, not in every lane: the result then depends on x
     for i in range(1, iters):
         nxt = tl.load(src_ptr + base + i * BLOCK + offs, eviction_policy="evict_first")
         acc ^= cur
@@ -81,19 +90,25 @@ def stream_read_kernel(src_ptr, out_ptr, iters, BLOCK: tl.constexpr, PDL: tl.con
 
 
 def stream_read(src: torch.Tensor, out: torch.Tensor, iters: int, block: int, num_warps: int = 4,
-                pdl: bool = False) -> int:
+                pdl: bool = False, x: torch.Tensor | None = None) -> int:
     """Launch stream_read_kernel over the first programs · iters · block words of src (int32),
-    programs = len(out); returns the words read."""
+    programs = len(out), with x (int32, a power-of-two length) read after the wait if given;
+    returns the weight words read."""
     programs = out.numel()
     if programs * iters * block > src.numel():
         raise ValueError(f"stream_read: {programs} x {iters} x {block} words past a source of {src.numel()}")
+    if x is not None and (x.dtype != torch.int32 or x.numel() & (x.numel() - 1)):
+        raise ValueError(f"stream_read: x must be int32 words, a power of two of them, got {x.numel()} {x.dtype}")
     pdl = pdl and src.is_cuda
-    stream_read_kernel[(programs,)](src, out, iters, BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+    stream_read_kernel[(programs,)](src, out, iters, src if x is None else x, BLOCK=block, PDL=pdl,
+                                    X_WORDS=0 if x is None else x.numel(), num_warps=num_warps, launch_pdl=pdl)
     return programs * iters * block
 
 
-def stream_read_ref(src: torch.Tensor, programs: int, iters: int, block: int) -> torch.Tensor:
-    """Plain torch: what stream_read writes, each program's words xor-reduced (block a power of two)."""
+def stream_read_ref(src: torch.Tensor, programs: int, iters: int, block: int,
+                    x: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: what stream_read writes, each program's words xor-reduced (block a power of
+    two), xored with the xor of x's words if given."""
     w = src[:programs * iters * block].view(programs, iters, block)
     while w.shape[-1] > 1:
         half = w.shape[-1] // 2
@@ -101,6 +116,11 @@ def stream_read_ref(src: torch.Tensor, programs: int, iters: int, block: int) ->
     acc = w[:, 0, 0].clone()
     for i in range(1, iters):
         acc ^= w[:, i, 0]
+    if x is not None:
+        xs = x.clone()
+        while xs.numel() > 1:
+            xs = xs[:xs.numel() // 2] ^ xs[xs.numel() // 2:]
+        acc ^= xs[0]
     return acc
 
 
@@ -328,14 +348,17 @@ def runtime_table(shapes: dict, ms: list[int], log) -> list:
     return table
 
 
-def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True) -> list:
+def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True, x_words: int = 0) -> list:
     """Per shape: the fastest stream_read of its FP8 and NVFP4 weight bytes (copies rotated past
     L2, the best of stream_configs with and without PDL), beside the runtime's GEMVs on the
     same shape (QuantLinear's launches: batch 1 at the tiles.py tile, above it gemv_fp8), all in
     graphs of at least 64 launches; the GEMVs also in bench_gemv's short graphs (one launch per
     weight copy) to show what the replay's start adds there. %bw as bench_gemv counts it:
     (weights + scales + activations + output) / time / copy bandwidth. sweep False (--only
-    rules): the GEMVs alone, no stream_read sweep, in a fraction of the time."""
+    rules): the GEMVs alone, no stream_read sweep, in a fraction of the time. x_words (--only
+    floorx): the sweep again with an activation read of that many words after the wait, on
+    which the first reduction depends (stream_read's x), the floor of a GEMV that must wait for
+    its input before its first product."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name, (n, k) in shapes.items():
@@ -346,19 +369,23 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True)
             words = wbytes // 4
             srcs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
                     for _ in range(copies_for(wbytes))]
-            best = None
+            xw = torch.randint(-2**31, 2**31 - 1, (x_words,), dtype=torch.int32, device="cuda") if x_words else None
+            best, best_x = None, None
             for c in stream_configs(words, sms) if sweep else []:
                 outs = [torch.empty(c["programs"], dtype=torch.int32, device="cuda") for _ in srcs]
-                outs[0].fill_(-1)
-                read = stream_read(srcs[0], outs[0], c["iters"], c["block"], c["num_warps"])
-                if not torch.equal(outs[0], stream_read_ref(srcs[0], c["programs"], c["iters"], c["block"])):
-                    raise SystemExit(f"stream_read wrong at {c}")
-                for pdl in (False, True):
-                    us = graph_time_us(cycled([lambda i=i: stream_read(srcs[i], outs[i], c["iters"], c["block"],
-                                                                       c["num_warps"], pdl)
-                                               for i in range(len(srcs))]))
-                    if best is None or us < best["us"]:
-                        best = dict(c, pdl=pdl, us=us, read_fraction=round(read / words, 4))
+                for x in (None, xw) if x_words else (None,):
+                    outs[0].fill_(-1)
+                    read = stream_read(srcs[0], outs[0], c["iters"], c["block"], c["num_warps"], x=x)
+                    if not torch.equal(outs[0], stream_read_ref(srcs[0], c["programs"], c["iters"], c["block"], x)):
+                        raise SystemExit(f"stream_read wrong at {c}" + (" with x" if x is not None else ""))
+                    for pdl in (False, True):
+                        us = graph_time_us(cycled([lambda i=i: stream_read(srcs[i], outs[i], c["iters"], c["block"],
+                                                                           c["num_warps"], pdl, x)
+                                                   for i in range(len(srcs))]))
+                        top = best if x is None else best_x
+                        if top is None or us < top["us"]:
+                            top = dict(c, pdl=pdl, us=us, read_fraction=round(read / words, 4))
+                            best, best_x = (top, best_x) if x is None else (best, top)
             del srcs
             for m in ms if fmt == "fp8" else [1]:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -391,6 +418,11 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True)
                               "floor_config": {kk: v for kk, v in best.items() if kk != "us"},
                               "gemv / floor": round(long_us / best["us"], 2)})
                     floor = f"floor {r['floor_us']:7.2f}us ({r['floor %bw']:5.1f}%)  "
+                if best_x is not None:
+                    r.update({"floor_x_us": round(best_x["us"], 2), "floor_x %bw": pct(best_x["us"]),
+                              "floor_x_config": {kk: v for kk, v in best_x.items() if kk != "us"},
+                              "x_words": x_words})
+                    floor += f"with x {r['floor_x_us']:7.2f}us ({r['floor_x %bw']:5.1f}%)  "
                 rows.append(r)
                 log(f"{name:20s} {fmt:5s} M={m:<3d} {(wbytes + io) / 1e6:7.1f} MB  {floor}gemv {r['gemv_us']:7.2f}us "
                     f"({r['gemv %bw']:5.1f}%; short graph {r['gemv_short_graph_us']:.2f}us, {r['gemv short %bw']}%)"
@@ -664,7 +696,9 @@ def main() -> None:
                          "table (the latency table of what the runtime launches, written to --table), "
                          "floor (the fastest read of each shape's bytes beside the runtime's GEMVs), "
                          "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1), "
-                         "rules (floor's GEMVs alone: the runtime's tiles in long graphs, no sweep)")
+                         "rules (floor's GEMVs alone: the runtime's tiles in long graphs, no sweep), "
+                         "floorx (the floor at batch 1 on the N = 2560 shapes, also with an activation read "
+                         "after the wait)")
     ap.add_argument("--shapes", default="all", choices=("all", "fused"),
                     help="GEMV shapes for --only gemv: the fused units and their members, or fused only")
     args = ap.parse_args()
@@ -693,6 +727,8 @@ def main() -> None:
         result["fp8_tiles"] = bench_fp8_tiles(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
     if "floor" in only:
         result["floor"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
+    if "floorx" in only:  # the N = 2560 shapes at batch 1: an activation K-step (2048 fp16) read after the wait
+        result["floorx"] = bench_floor({kk: v for kk, v in FUSED.items() if v[0] == 2560}, [1], bw, log, x_words=1024)
     if "rules" in only:
         result["rules"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log, sweep=False)
     if "table" in only:  # the fused units and their members: search looks both up

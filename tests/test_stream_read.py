@@ -40,6 +40,25 @@ def test_stream_read_xors_every_word_it_reads(programs, iters, block):
     assert int(out[-1]) == int(expect[-1]) ^ 1 and np.array_equal(out[:-1].cpu().numpy(), expect[:-1])
 
 
+def test_stream_read_folds_in_the_activations_it_reads():
+    """With x, every program's word also holds the xor of x's words (independent numpy reduction),
+    and flipping one bit of x flips it in every program's word: the read cannot be skipped."""
+    bk = _bench_kernels()
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(-2**31, 2**31 - 1, (3 * 2 * 256,), dtype=torch.int32, generator=g).to(DEV)
+    x = torch.randint(-2**31, 2**31 - 1, (64,), dtype=torch.int32, generator=g).to(DEV)
+    out = torch.empty(3, dtype=torch.int32, device=DEV)
+    bk.stream_read(src, out, 2, 256, num_warps=1, x=x)
+    expect = np.bitwise_xor.reduce(src.cpu().numpy().reshape(3, -1), axis=1) ^ np.bitwise_xor.reduce(x.cpu().numpy())
+    assert np.array_equal(out.cpu().numpy(), expect)
+    assert np.array_equal(bk.stream_read_ref(src, 3, 2, 256, x).cpu().numpy(), expect)
+    x[5] ^= 1 << 9
+    bk.stream_read(src, out, 2, 256, num_warps=1, x=x)
+    assert np.array_equal(out.cpu().numpy(), expect ^ (1 << 9))
+    with pytest.raises(ValueError, match="power of two"):
+        bk.stream_read(src, out, 2, 256, x=x[:60])
+
+
 def test_stream_read_refuses_to_read_past_its_source():
     bk = _bench_kernels()
     src = torch.zeros(1000, dtype=torch.int32, device=DEV)

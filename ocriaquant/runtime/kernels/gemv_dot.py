@@ -81,8 +81,9 @@ def _gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M,
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    # The scales load before the loop, the weights' before the wait: after it they cost the tail a
-    # round trip (batch 8-64 on an H200: 5-8 % of each shape's time, BENCHMARKS.md, session 23).
+    # Both scales load before the loop (the weight rows' before the wait, the tokens' after it):
+    # loaded after the loop they cost the tail a round trip (batch 8-64 on an H200: 5-8 % of each
+    # shape's time, BENCHMARKS.md, session 23).
     if SCALED:
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)  # the pipeline's prologue loads weights and x together: nothing of theirs before it

@@ -52,8 +52,9 @@ were 8-20 % slower.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
 shape (kind: bf16, fp8, nvfp4, nvfp4_silu, and fp8_dot for the tensor-core path at every batch
-above 1, which also takes the pipeline's depth: "block_n,block_k,num_warps,split_k,num_stages"): how a tile is re-swept inside the decode step, or tuned for a GPU other than the
-H200, without editing code.
+above 1, which also takes the pipeline's depth: "block_n,block_k,num_warps,split_k,num_stages"):
+how a tile is re-swept inside the decode step, or tuned for a GPU other than the H200, without
+editing code.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ bounds what fusing the kernel away could buy. `code:<launcher>=<file>` runs the 
 name from another copy of its module (e.g. `git show HEAD:ocriaquant/runtime/kernels/gdn_decode.py
 > /tmp/old.py`, then `--variant old code:gdn_decode=/tmp/old.py --variant new`): a change to a
 kernel against the code before it, in one process. Before each
-variant is timed the captured CUDA graphs and the Linears' cached batch-1 tiles are dropped, so
+variant is timed the captured CUDA graphs and the Linears' cached tiles are dropped, so
 the step is re-captured with its settings; after it, every setting goes back.
 
 `ocriaquant bench` spends ~40 s building the 4B and capturing its graphs for one figure, so on a
@@ -143,8 +143,8 @@ def undo(saved: list) -> None:
 
 def forget_captures(rt, retired: list) -> None:
     """Drop the runtime's CUDA graphs (kept alive in `retired`: their memory belongs to the shared
-    pool) and every Linear's cached batch-1 tile, so the next step is captured under the current
-    settings."""
+    pool) and every Linear's cached tiles (batch 1 and the FP8 tensor-core ones), so the next step
+    is captured under the current settings."""
     from ocriaquant.runtime.layers import QuantLinear
 
     retired.extend(rt._graphs.values())
@@ -152,17 +152,17 @@ def forget_captures(rt, retired: list) -> None:
     rt._last = None
     for m in rt.modules():
         if isinstance(m, QuantLinear):
-            m._m1_tiles.clear()
+            m.forget_tiles()
 
 
 def tile_names(rt) -> set[str]:
-    """The tile overrides (kernels/tiles.py) the step just captured looked up, one per batch-1 GEMV
-    shape and kind: OCRIAQUANT_TILE_<kind>_<n>x<k>."""
+    """The tile overrides (kernels/tiles.py) the step just captured looked up, one per GEMV shape
+    and kind: OCRIAQUANT_TILE_<kind>_<n>x<k>."""
     from ocriaquant.runtime.kernels.tiles import tile_override_name
     from ocriaquant.runtime.layers import QuantLinear
 
     return {tile_override_name(kind, m.out_features, m.in_features)
-            for m in rt.modules() if isinstance(m, QuantLinear) for kind in m._m1_tiles}
+            for m in rt.modules() if isinstance(m, QuantLinear) for kind in m.tile_kinds()}
 
 
 def main() -> None:
@@ -206,7 +206,7 @@ def main() -> None:
                                        if kind == "env" and n.startswith("OCRIAQUANT_TILE_") and n not in looked_up]
                     if unmatched[name]:
                         print(f"warning: variant {name}: {', '.join(unmatched[name])} matched no GEMV of this "
-                              f"model (its batch-1 shapes: {', '.join(sorted(looked_up))})", flush=True)
+                              f"model (its tiles: {', '.join(sorted(looked_up))})", flush=True)
             finally:
                 undo(saved)
             figures[name].append(round(ms, 4))

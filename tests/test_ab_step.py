@@ -85,3 +85,33 @@ def test_code_setting_runs_the_launcher_of_another_copy(tmp_path):
         ab.parse_setting(f"code:add_rmsnorm={tmp_path / 'missing.py'}")
     with pytest.raises(SystemExit, match="is not code:<launcher>=<file>"):
         ab.parse_setting(f"code:no_such_kernel={copy}")
+
+
+def test_forget_captures_drops_every_cached_tile(monkeypatch):
+    """Between variants ab_step drops the Linears' cached tiles, the FP8 tensor-core ones above batch 1
+    too, so a variant's OCRIAQUANT_TILE_fp8_dot_* override reaches the GEMV; tile_names lists it."""
+    import importlib
+
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
+    from ocriaquant.runtime.layers import QuantLinear
+
+    ab = _ab_step()
+    gf = importlib.import_module("ocriaquant.runtime.kernels.gemv_fp8")  # the module, not the function
+    seen = []
+    monkeypatch.setattr(gf, "gemv_dot", lambda *a, **kw: seen.append(kw) or gemv_dot(*a, **kw))
+    w_q, w_s = fp8.quantize_weight(torch.randn(64, 256, dtype=torch.bfloat16, device=DEV) / 16)
+    lin = QuantLinear("fp8", w_q, w_s).to(DEV)
+    lin.triton = True
+    rt = torch.nn.Sequential(lin)
+    rt._graphs, rt._last = {}, None
+    x = torch.randn(4, 256, dtype=torch.bfloat16, device=DEV)
+    lin(x)
+    lin(torch.randn(1, 256, dtype=torch.bfloat16, device=DEV))
+    assert ab.tile_names(rt) == {"OCRIAQUANT_TILE_fp8_dot_64x256", "OCRIAQUANT_TILE_fp8_64x256"}
+    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2,6")
+    lin(x)  # the tile looked up before the override is still cached
+    ab.forget_captures(rt, [])
+    assert ab.tile_names(rt) == set()
+    lin(x)
+    assert seen[1]["block_n"] != 32 and (seen[2]["block_n"], seen[2]["split_k"], seen[2]["num_stages"]) == (32, 2, 6)

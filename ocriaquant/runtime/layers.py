@@ -159,6 +159,17 @@ class QuantLinear(nn.Module):
             self._dot_tiles[m] = dot_tile(self.kind, self.out_features, self.in_features, m)
         return self._dot_tiles[m]
 
+    def forget_tiles(self) -> None:
+        """Drop the tiles looked up so far (_m1_tile, _dot_tile): the next launch reads tiles.py's
+        rule and overrides again (scripts/ab_step.py, between variants of a model built once)."""
+        self._m1_tiles.clear()
+        self._dot_tiles.clear()
+
+    def tile_kinds(self) -> list[str]:
+        """The kinds (tiles.tile_override's) of the tiles looked up so far: the batch-1 kernels'
+        and, once a batch above 1 ran, "<kind>_dot"."""
+        return list(self._m1_tiles) + ([f"{self.kind}_dot"] if self._dot_tiles else [])
+
     def _m1(self) -> tuple | None:
         if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls
             raise RuntimeError("this gate_up's batch-1 weight is interleaved for the fused SiLU; use MLP")

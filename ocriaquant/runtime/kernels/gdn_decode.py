@@ -157,7 +157,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     k, win_k = _conv_apply(qkv, cs, chan_k, k_ok, cs_stride_c, slot_raw, st_k, w_k, KW, KWP, False)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    v, win_v = _conv_apply(qkv, cs, chan_v, v_ok, cs_stride_c, slot_raw, st_v, w_v, KW, KWP, True)
+    v, _ = _conv_apply(qkv, cs, chan_v, v_ok, cs_stride_c, slot_raw, st_v, w_v, KW, KWP, True)
     a = tl.load(a_ptr + bi * stride_ab + hv).to(tl.float32) + dt_bias
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = -decay * softplus

@@ -13,8 +13,8 @@
   quantized plan: the dequantized weights in BF16, the numbers our kernels multiply by).
 
 A named shape (`--shape qwen3.5-4b`) builds the model with random weights, in memory, in one
-of two plans: `bf16`, or `mixed` (NVFP4 W4A16 MLPs, FP8 GDN and attention projections, BF16
-head) — DESIGN.md's Qwen3.5-4B reference.
+of the plans: `bf16`, `mixed` (NVFP4 W4A16 MLPs, FP8 GDN and attention projections, BF16
+head) — DESIGN.md's Qwen3.5-4B reference —, or `fp8` / `nvfp4` (every decoder Linear).
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ import torch
 
 from .errors import OcriaError
 
-PLANS = ("bf16", "mixed")
+# Named plans for --shape: bf16; mixed (NVFP4 MLPs, FP8 GDN and attention); fp8 and nvfp4 (every
+# decoder Linear in that format). The lm_head and the vision encoder stay BF16 in all of them.
+# fp8 / nvfp4 time the kernels mixed does not run inside a step (FP8 MLPs, NVFP4 mixers).
+PLANS = ("bf16", "mixed", "fp8", "nvfp4")
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -49,16 +52,18 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * x.numel() * 4 * 10 / (time.perf_counter() - t)
 
 
-def _mixed_units(config) -> list[tuple[list[str], str]]:
-    """The `mixed` plan: units quantized together (one NVFP4 global scale per unit)."""
+def plan_units(config, plan: str) -> list[tuple[list[str], str]]:
+    """A quantized named plan's units (quantized together: one NVFP4 global scale per unit), each
+    with its format: `mixed` NVFP4 MLPs and FP8 mixers, `fp8` / `nvfp4` every decoder Linear."""
+    mlp_fmt, mixer_fmt = {"mixed": ("nvfp4", "fp8"), "fp8": ("fp8", "fp8"), "nvfp4": ("nvfp4", "nvfp4")}[plan]
     units = []
     for i, kind in enumerate(config.text_config.layer_types):
         pre = f"model.language_model.layers.{i}."
-        units += [([pre + "mlp.gate_proj", pre + "mlp.up_proj"], "nvfp4"), ([pre + "mlp.down_proj"], "nvfp4")]
+        units += [([pre + "mlp.gate_proj", pre + "mlp.up_proj"], mlp_fmt), ([pre + "mlp.down_proj"], mlp_fmt)]
         names = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj") if kind == "linear_attention" \
             else ("q_proj", "k_proj", "v_proj", "o_proj")
         mixer = "linear_attn." if kind == "linear_attention" else "self_attn."
-        units += [([pre + mixer + n], "fp8") for n in names]
+        units += [([pre + mixer + n], mixer_fmt) for n in names]
     return units
 
 
@@ -84,9 +89,9 @@ def build_shape(shape: str, plan: str, device: str, seed: int = 0):
     params = dict(hf.named_parameters(remove_duplicate=False))
     tensors = {k: v.detach() for k, v in hf.state_dict().items()}
     kinds: dict[str, str] = {}
-    if plan == "mixed":
+    if plan != "bf16":
         with torch.no_grad():
-            for names, fmt in _mixed_units(config):
+            for names, fmt in plan_units(config, plan):
                 ws = [tensors.pop(n + ".weight") for n in names]
                 gs = nvfp4.global_scale(*ws) if fmt == "nvfp4" else None
                 for n, w in zip(names, ws):

@@ -274,8 +274,8 @@ def bench(
                                                          "bundled model, unless --shape).")] = None,
     shape: Annotated[Optional[str], typer.Option(help="Bench a named shape with random weights instead: "
                                                  "qwen3.5-4b or qwen3.5-0.8b.")] = None,
-    plan: Annotated[str, typer.Option(help="With --shape: bf16, or mixed (NVFP4 MLPs, FP8 GDN and attention, "
-                                      "BF16 head).")] = "mixed",
+    plan: Annotated[str, typer.Option(help="With --shape: bf16; mixed (NVFP4 MLPs, FP8 GDN and attention, "
+                                      "BF16 head); fp8 or nvfp4 (every decoder Linear, BF16 head).")] = "mixed",
     device: Annotated[str, typer.Option(help="cuda (or cpu with --backend torch, slowly).")] = "cuda",
     backend: Annotated[str, typer.Option(help="triton (our kernels + CUDA graphs) or torch (reference).")] = "triton",
     batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8,32,64",

@@ -87,3 +87,27 @@ def test_bench_refuses_bad_input_with_one_line():
     assert res.exit_code == 2 and "unknown shape 'gpt-5'" in res.output
     res = runner.invoke(app, ["bench", "--batches", "1,x", "--device", "cpu", "--backend", "torch"])
     assert res.exit_code == 2 and "comma-separated integers" in res.output
+
+
+def test_named_plans_quantize_every_decoder_linear_once_in_their_formats():
+    """bench's named plans list the same decoder Linears — each once, every layer's MLP and mixer
+    projections — and give them the plan's formats: mixed NVFP4 MLPs and FP8 mixers, fp8 / nvfp4
+    everything in that format."""
+    from ocriaquant.bench import PLANS, plan_units
+    from ocriaquant.model.configs import SHAPES
+
+    config = SHAPES["qwen3.5-4b"]()
+    layers = config.text_config.layer_types
+    formats = {}
+    for plan in ("mixed", "fp8", "nvfp4"):
+        assert plan in PLANS
+        names = [(n, fmt) for unit, fmt in plan_units(config, plan) for n in unit]
+        assert len({n for n, _ in names}) == len(names)
+        formats[plan] = dict(names)
+    assert formats["mixed"].keys() == formats["fp8"].keys() == formats["nvfp4"].keys()
+    gdn, attn = layers.count("linear_attention"), layers.count("full_attention")
+    assert gdn + attn == len(layers) and gdn and attn
+    assert len(formats["mixed"]) == len(layers) * 3 + gdn * 5 + attn * 4
+    for n, fmt in formats["mixed"].items():
+        assert fmt == ("nvfp4" if ".mlp." in n else "fp8"), n
+    assert set(formats["fp8"].values()) == {"fp8"} and set(formats["nvfp4"].values()) == {"nvfp4"}

@@ -732,16 +732,21 @@ def test_pdl_only_on_the_gpu(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU "
                     "(test_pdl_only_on_the_gpu covers the CPU side)")
-def test_gemv_pdl_in_graph(monkeypatch):
+@pytest.mark.parametrize("trigger_first", [0, 1])
+def test_gemv_pdl_in_graph(monkeypatch, trigger_first):
     """With PDL a GEMV starts while its producer runs and waits for it before reading x: in a
     CUDA graph behind add_rmsnorm (which releases it early) every format gives the same output
-    as without PDL, replay after replay on changing inputs."""
+    as without PDL, replay after replay on changing inputs — also a GEMV that reads the one
+    before it, and with the GEMVs releasing their own dependents before their wait
+    (splitk.TRIGGER_FIRST)."""
     from ocriaquant.quant import fp8, nvfp4
-    from ocriaquant.runtime.kernels import add_rmsnorm, gemv_bf16, gemv_fp8, gemv_nvfp4
+    from ocriaquant.runtime.kernels import add_rmsnorm, gemv_bf16, gemv_fp8, gemv_nvfp4, splitk
 
     monkeypatch.setenv("OCRIAQUANT_PDL", "1")  # add_rmsnorm releases its dependents early
+    monkeypatch.setattr(splitk, "TRIGGER_FIRST", trigger_first)
     n, k = 4096, 2560
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    w_sq = torch.randn(k, k, dtype=torch.bfloat16, device=DEV) / k**0.5
     w_q, w_s = fp8.quantize_weight(w)
     packed, scales, gs = nvfp4.quantize_weight(w)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
@@ -752,7 +757,8 @@ def test_gemv_pdl_in_graph(monkeypatch):
         _, y, (q, s, half) = add_rmsnorm(x, h, norm_w, 1e-6, quant="fp8")
         _, _, pairs = add_rmsnorm(x, h, norm_w, 1e-6, quant="nvfp4")
         return (gemv_bf16(y, w, pdl=pdl), gemv_fp8(q, s, w_q, w_s, pdl=pdl, x_half=half),
-                gemv_nvfp4(y, packed, scales, gs, pdl=pdl, x_pairs=pairs))
+                gemv_nvfp4(y, packed, scales, gs, pdl=pdl, x_pairs=pairs),
+                gemv_bf16(gemv_bf16(y, w_sq, pdl=pdl), w_sq, pdl=pdl))  # the second reads the first
 
     step(True)
     g = torch.cuda.CUDAGraph()

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .gemv_fp8 import quant_fp8_row_when_last
-from .splitk import sm_count, use_pdl, wait_for_inputs, workspace
+from .splitk import pdl_flag, sm_count, use_pdl, wait_for_inputs, workspace
 
 
 MIN_V_ROWS = 16  # the smallest V-block _v_blocks makes (batch 1 at the 4B: 8 blocks of 16 rows, 256 programs)
@@ -285,7 +285,7 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
         GP=triton.next_power_of_2(hv // H), EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
         QB=min(4096, triton.next_power_of_2(hv * V)),
-        num_warps=num_warps or WARPS, PDL=pdl, launch_pdl=pdl)
+        num_warps=num_warps or WARPS, PDL=pdl_flag(pdl), launch_pdl=pdl)
     if quant is None:
         return out
     if quant == "amax":  # a 1-tuple, like the other forms a Linear's x_q takes

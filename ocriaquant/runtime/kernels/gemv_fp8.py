@@ -19,8 +19,8 @@ from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
-from .splitk import (Partials, launch_plan, partials_view, split_tile, start_after_producer, store_row, use_pdl,
-                     wait_for_inputs, whole_tile_mask, workspace)
+from .splitk import (Partials, launch_plan, partials_view, pdl_flag, split_tile, start_after_producer, store_row,
+                     use_pdl, wait_for_inputs, whole_tile_mask, workspace)
 from .tiles import dot_tile
 
 
@@ -158,7 +158,7 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                               x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
                               x_amax.numel() if qx else 0, BN=block_n,
                               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
-                              num_warps=num_warps, num_stages=num_stages, PDL=pdl, PARTIALS=partials,
+                              num_warps=num_warps, num_stages=num_stages, PDL=pdl_flag(pdl), PARTIALS=partials,
                               WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
                               EVEN_N=n % block_n == 0, QX=qx,
                               NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,

@@ -77,6 +77,22 @@ def use_pdl(device: torch.device, pdl: bool | None) -> bool:
         torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Whether the kernels that wait with wait_for_inputs (the GEMVs, gdn_decode) let the next kernel
+# launch before their own wait rather than after it. Either order is correct: a kernel's wait
+# returns only once the kernel before it has finished, which waited on the one before that, and
+# nothing before a wait reads what an unfinished kernel writes. Before: the next kernel's CTAs
+# (and their pre-wait weight loads) can start while this one still waits, so more than one
+# kernel's weights are in flight. Read at every launch (ab_step can switch it);
+# OCRIAQUANT_PDL_TRIGGER_FIRST=1 sets it at import.
+TRIGGER_FIRST = int(os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST", "0"))
+
+
+def pdl_flag(pdl: bool) -> int:
+    """The PDL constexpr of a kernel that waits with wait_for_inputs: 0 no PDL, 1 wait then let
+    the next kernel launch, 2 let it launch, then wait (TRIGGER_FIRST)."""
+    return 0 if not pdl else (2 if TRIGGER_FIRST else 1)
+
+
 @triton.jit
 def split_tile(N, K, K_PER_SPLIT, BN: tl.constexpr):
     """This CTA's rows and K range in a (tiles along N, splits along K) grid: (pid_n, pid_k,
@@ -110,9 +126,13 @@ def start_after_producer(PDL: tl.constexpr):
 
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """Under PDL: wait until the previous kernel has finished (its writes visible), then let the
-    next one launch. Everything before this may read only constant data (weights, scales)."""
-    if PDL:
+    """Under PDL: wait until the previous kernel has finished (its writes visible) and let the
+    next one launch — after the wait (PDL 1) or before it (PDL 2, pdl_flag). Everything before
+    this may read only constant data (weights, scales)."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -89,9 +89,14 @@ def test_gemv_fp8_m1_rule_tiles(n, k):
     out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **tile)
     assert torch.isfinite(out).all()
     assert rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
-    if k == 4096:  # out_proj / o_proj quantize their input themselves, from gdn_decode's / attention's amax
-        amax = x.float().abs().amax().reshape(1)
-        assert torch.equal(gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, 200), **tile), out)
+    if k == 4096:  # out_proj / o_proj quantize their input themselves, from gdn_decode's / attention's amax,
+        amax = x.float().abs().amax().reshape(1)  # on a tile of their own (split: not every CTA quantizes all of K)
+        qx_tile = m1_tile("fp8_qx", n, k)
+        assert qx_tile != tile and qx_tile["split_k"] > 1
+        # bit for bit what quantizing first and then running the plain GEMV on the same tile gives
+        same_tile = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **qx_tile)
+        assert rel(same_tile, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
+        assert torch.equal(gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, 200), **qx_tile), same_tile)
 
 
 @pytest.mark.parametrize("n,k,split,parts", [(48, 512, None, 1), (40, 768, 2, 3), (40, 640, 2, 16), (64, 1024, 4, 4)])

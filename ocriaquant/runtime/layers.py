@@ -128,7 +128,8 @@ class QuantLinear(nn.Module):
         # x's absmax in parts (batch 1, FP8: quantized inside the GEMV)
         form = None if x_q is None else x_q[0].dtype
         if self.kind == "fp8" and form == torch.float32 and m == 1:
-            return gemv_fp8_quantizing(x, x_q[0], self.w_q, self.w_scale, partials=partials, **tile)
+            return gemv_fp8_quantizing(x, x_q[0], self.w_q, self.w_scale, partials=partials,
+                                       **self._m1_tile("fp8_qx"))
         if self.kind == "fp8":
             q, s, *half = x_q if form == torch.float8_e4m3fn else quant_fp8_per_token(x.contiguous(), half=m == 1)
             return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, partials=partials, **tile)

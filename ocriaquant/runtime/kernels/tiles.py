@@ -36,7 +36,14 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   The same session moved FP8 out_proj / o_proj from 64 × 256 on 4 warps to 128 × 256 on 8
   (split 8 both): 1.689 -> 1.672 ms a step, 1.685 -> 1.679 in a 4-round re-run; 64 × 512,
   32 × 512 and 64 × 256 on 8 warps were slower or equal, as were other FP8 down_proj
-  (2560 × 9216) and gate_up tiles in the latency table.
+  (2560 × 9216) and gate_up tiles in the latency table. That out_proj quantizes its own input
+  (kind fp8_qx: each CTA its K-slice, so narrow unsplit tiles would quantize the whole row in
+  every CTA: 7.7-8.8 µs against 4.5). Fed ready activations (kind fp8, nvfp4), K = 4096 runs
+  fastest as narrow rows whole in one K-tile, unsplit, on 4 warps (session 24, alone on an H200):
+  FP8 8 × 4096 3.48 µs against 5.37 for 128 × 256 split 8, NVFP4 4 × 4096 3.22 against 6.59 for
+  16 × 512 split 4. Each CTA issues all its weight loads before its PDL wait, and no split-K
+  reduction (1.5-1.7 µs at a CTA's tail) remains. On 2560 × 9216 the same idea lost (FP8 4 × 1024
+  unsplit 8.32 µs against 7.92; NVFP4 10.3 against 7.3, and +0.27 to +0.49 ms a step).
 
 Above batch 1 FP8 runs on the tensor cores, gemv_dot's swapped form (dot_tile): 64 weight rows
 a CTA on one warpgroup, unsplit where K = 2560 (K-steps of 256 on 3 stages up to batch 32, of 128
@@ -51,7 +58,7 @@ N = 2560 shapes, which have only 40 row tiles: K = 4096 (out_proj / o_proj) now 
 were 8-20 % slower.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
-shape (kind: bf16, fp8, nvfp4, nvfp4_silu, and fp8_dot for the tensor-core path at every batch
+shape (kind: bf16, fp8, fp8_qx (the FP8 GEMV that quantizes its input), nvfp4, nvfp4_silu, and fp8_dot for the tensor-core path at every batch
 above 1, which also takes the pipeline's depth: "block_n,block_k,num_warps,split_k,num_stages"):
 how a tile is re-swept inside the decode step, or tuned for a GPU other than the H200, without
 editing code.
@@ -74,16 +81,17 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
     wide_k = k >= 4096 and k % 1024 == 0
     head = n >= 65536  # the lm_head: many CTAs already, no split
     in_proj = 8192 <= n <= 16384  # the fused input projections (GDN's four, attention's q/k/v)
-    if kind in ("fp8", "nvfp4"):  # the paired-fp16 kernels (half2.py)
-        fp8 = kind == "fp8"
+    if kind in ("fp8", "fp8_qx", "nvfp4"):  # the paired-fp16 kernels (half2.py)
+        fp8 = kind != "nvfp4"
         if head:
             return dict(block_n=64, block_k=256)
         if wide_k and k >= 8192:
             # split 8 asked; launch_plan rounds a split to whole K-tiles: 9216 / 8 -> 1536, 6 splits
             return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
-        if wide_k:  # out_proj / o_proj
-            return dict(block_n=128, block_k=256, split_k=8, num_warps=8) if fp8 else \
-                dict(block_n=16, block_k=512, split_k=4)
+        if wide_k and kind == "fp8_qx":  # out_proj / o_proj quantizing their input (gemv_fp8_quantizing)
+            return dict(block_n=128, block_k=256, split_k=8, num_warps=8)
+        if wide_k:  # out_proj / o_proj fed ready activations: each CTA's rows whole in one K-tile
+            return dict(block_n=8 if fp8 else 4, block_k=min(4096, k & -k), split_k=1, num_warps=4)
         if fp8 and in_proj and bk == 512:
             return dict(block_n=64, block_k=512, num_warps=8)
         if n <= 12288 and bk == 512:

@@ -20,7 +20,9 @@
 - the GEMVs of the floor run alone (`--only rules`): the runtime's FP8 / NVFP4 launches at their
   tiles.py tiles in the same long graphs, without the stream sweep;
 - FP8 tiles (`--only fp8`): gemv_fp8's tiles at each batch, the tensor-core form's swept
-  above batch 1, beside the old form, cuBLAS BF16 and _scaled_mm (what tiles.dot_tile is from).
+  above batch 1, beside the old form, cuBLAS BF16 and _scaled_mm (what tiles.dot_tile is from);
+- batch-1 tiles (`--only m1`): gemv_fp8's and gemv_nvfp4's on the N = 2560 shapes (M1_TILES_N2560),
+  beside the rule tile tiles.m1_tile gives them, in the same long graphs.
 
 Every kernel is first checked against its float64 reference on fresh random inputs with a
 NaN-poisoned output. Times are medians of CUDA-graph replays, each replay cycling over enough
@@ -52,13 +54,17 @@ from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
 from ocriaquant.runtime.kernels.splitk import geometry
 from ocriaquant.runtime.kernels.tiles import m1_tile
-from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_ref, gemv_nvfp4,
+from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_quantizing,
+                                        gemv_fp8_ref, gemv_nvfp4,
                                         gemv_nvfp4_ref, quant_fp8_per_token, silu_mul_quant, silu_mul_quant_ref)
 
 L2_BYTES = 50 * 2**20
 # Qwen3.5-4B decode GEMV shapes (N, K): fused units first, then their members.
 FUSED = {"gdn_in (qkv+z)": (12288, 2560), "gdn_out / attn_o": (2560, 4096), "mlp_up (gate+up)": (18432, 2560),
          "mlp_down": (2560, 9216), "lm_head": (248320, 2560)}
+# The shape whose FP8 GEMV quantizes its own input at batch 1 in the runtime (gdn_decode / attention
+# hand it their output's absmax): the latency table times that form (tiles kind fp8_qx) there.
+QUANTIZING = "gdn_out / attn_o"
 MEMBERS = {"gdn in_proj_qkv": (8192, 2560), "gdn in_proj_z / attn q_proj": (4096, 2560),
            "mlp gate/up": (9216, 2560), "attn k/v": (1024, 2560)}
 
@@ -74,7 +80,10 @@ def stream_read_kernel(src_ptr, out_ptr, iters, x_ptr, BLOCK: tl.constexpr, PDL:
     base = tl.program_id(0).to(tl.int64) * iters * BLOCK
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
     cur = tl.load(src_ptr + base + offs, eviction_policy="evict_first")
-    if PDL:
+    if PDL == 2:  # the next launch may start before this one's wait (splitk.TRIGGER_FIRST)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
@@ -90,18 +99,19 @@ def stream_read_kernel(src_ptr, out_ptr, iters, x_ptr, BLOCK: tl.constexpr, PDL:
 
 
 def stream_read(src: torch.Tensor, out: torch.Tensor, iters: int, block: int, num_warps: int = 4,
-                pdl: bool = False, x: torch.Tensor | None = None) -> int:
+                pdl: int = 0, x: torch.Tensor | None = None) -> int:
     """Launch stream_read_kernel over the first programs · iters · block words of src (int32),
     programs = len(out), with x (int32, a power-of-two length) read after the wait if given;
-    returns the weight words read."""
+    returns the weight words read. pdl: 0 off, 1 the next launch after the wait, 2 before it."""
     programs = out.numel()
     if programs * iters * block > src.numel():
         raise ValueError(f"stream_read: {programs} x {iters} x {block} words past a source of {src.numel()}")
     if x is not None and (x.dtype != torch.int32 or x.numel() & (x.numel() - 1)):
         raise ValueError(f"stream_read: x must be int32 words, a power of two of them, got {x.numel()} {x.dtype}")
-    pdl = pdl and src.is_cuda
+    pdl = int(pdl) if src.is_cuda else 0
     stream_read_kernel[(programs,)](src, out, iters, src if x is None else x, BLOCK=block, PDL=pdl,
-                                    X_WORDS=0 if x is None else x.numel(), num_warps=num_warps, launch_pdl=pdl)
+                                    X_WORDS=0 if x is None else x.numel(), num_warps=num_warps,
+                                    launch_pdl=pdl > 0)
     return programs * iters * block
 
 
@@ -322,8 +332,12 @@ def runtime_table(shapes: dict, ms: list[int], log) -> list:
             outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
             if m == 1:
                 pairs = nvfp4_x_pairs(x)
+                amax = x.float().abs().amax().reshape(1)
+                fp8_m1 = (lambda i: gemv_fp8_quantizing(x, amax, *WQ[i], out=outs[i], **m1_tile("fp8_qx", n, k))) \
+                    if name == QUANTIZING else \
+                    (lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half[0], **m1_tile("fp8", n, k)))
                 fns = {"bf16": lambda i: gemv_bf16(x, W[i], out=outs[i], **m1_tile("bf16", n, k)),
-                       "fp8": lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half[0], **m1_tile("fp8", n, k)),
+                       "fp8": fp8_m1,
                        "nvfp4": lambda i: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs,
                                                      m1=WP[i][2], **m1_tile("nvfp4", n, k))}
             else:
@@ -348,7 +362,8 @@ def runtime_table(shapes: dict, ms: list[int], log) -> list:
     return table
 
 
-def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True, x_words: int = 0) -> list:
+def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True, x_words: int = 0,
+                pdl_modes: tuple = (0, 1, 2)) -> list:
     """Per shape: the fastest stream_read of its FP8 and NVFP4 weight bytes (copies rotated past
     L2, the best of stream_configs with and without PDL), beside the runtime's GEMVs on the
     same shape (QuantLinear's launches: batch 1 at the tiles.py tile, above it gemv_fp8), all in
@@ -358,7 +373,7 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
     rules): the GEMVs alone, no stream_read sweep, in a fraction of the time. x_words (--only
     floorx): the sweep again with an activation read of that many words after the wait, on
     which the first reduction depends (stream_read's x), the floor of a GEMV that must wait for
-    its input before its first product."""
+    its input before its first product. pdl_modes: the PDL orders swept (stream_read's pdl)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name, (n, k) in shapes.items():
@@ -370,7 +385,7 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
             srcs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
                     for _ in range(copies_for(wbytes))]
             xw = torch.randint(-2**31, 2**31 - 1, (x_words,), dtype=torch.int32, device="cuda") if x_words else None
-            best, best_x = None, None
+            best, best_x, by_mode = None, None, {}
             for c in stream_configs(words, sms) if sweep else []:
                 outs = [torch.empty(c["programs"], dtype=torch.int32, device="cuda") for _ in srcs]
                 for x in (None, xw) if x_words else (None,):
@@ -378,10 +393,12 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
                     read = stream_read(srcs[0], outs[0], c["iters"], c["block"], c["num_warps"], x=x)
                     if not torch.equal(outs[0], stream_read_ref(srcs[0], c["programs"], c["iters"], c["block"], x)):
                         raise SystemExit(f"stream_read wrong at {c}" + (" with x" if x is not None else ""))
-                    for pdl in (False, True):
+                    for pdl in pdl_modes:
                         us = graph_time_us(cycled([lambda i=i: stream_read(srcs[i], outs[i], c["iters"], c["block"],
                                                                            c["num_warps"], pdl, x)
                                                    for i in range(len(srcs))]))
+                        key = f"{'x' if x is not None else 'plain'}_pdl{pdl}"
+                        by_mode[key] = min(us, by_mode.get(key, us))
                         top = best if x is None else best_x
                         if top is None or us < top["us"]:
                             top = dict(c, pdl=pdl, us=us, read_fraction=round(read / words, 4))
@@ -423,6 +440,9 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
                               "floor_x_config": {kk: v for kk, v in best_x.items() if kk != "us"},
                               "x_words": x_words})
                     floor += f"with x {r['floor_x_us']:7.2f}us ({r['floor_x %bw']:5.1f}%)  "
+                if by_mode:  # the best read under each PDL order: off, next launch after the wait, before it
+                    r["floor_by_pdl %bw"] = {kk: pct(v) for kk, v in sorted(by_mode.items())}
+                    floor += "by pdl " + " ".join(f"{kk} {pct(v):.1f}" for kk, v in sorted(by_mode.items())) + "  "
                 rows.append(r)
                 log(f"{name:20s} {fmt:5s} M={m:<3d} {(wbytes + io) / 1e6:7.1f} MB  {floor}gemv {r['gemv_us']:7.2f}us "
                     f"({r['gemv %bw']:5.1f}%; short graph {r['gemv_short_graph_us']:.2f}us, {r['gemv short %bw']}%)"
@@ -435,10 +455,84 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
 # gemv_dot(swap=True) tiles above batch 1: (block_n, block_k, num_warps, num_stages)
 DOT_TILES = ((32, 256, 4, 3), (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (64, 512, 4, 3), (128, 128, 4, 3),
              (128, 128, 4, 4), (128, 256, 4, 3))
-# gemv_fp8's batch-1 (half2) tiles tried on the N = 2560 shapes: (block_n, block_k, num_warps, split_k)
-M1_TILES_N2560 = ((8, 2048, 8, 1), (8, 1024, 8, 1), (8, 1024, 4, 1), (16, 1024, 8, 1), (16, 512, 8, 2),
-                  (32, 512, 8, 2), (32, 512, 8, 4), (64, 256, 8, 4), (64, 512, 8, 4), (128, 256, 8, 4),
-                  (128, 512, 8, 4), (256, 256, 8, 8), (64, 512, 8, 3))
+# Batch-1 (half2) tiles tried on the N = 2560 shapes, per format: (block_n, block_k, num_warps, split_k),
+# those whose block_k divides K. The whole-K rows (block_k = K's largest power-of-two part, unsplit: each
+# CTA issues all its weight loads before its PDL wait, and no split-K reduction remains) are session 24's.
+M1_TILES_N2560 = {
+    "fp8": ((8, 2048, 8, 1), (8, 1024, 8, 1), (8, 1024, 4, 1), (16, 1024, 8, 1), (16, 512, 8, 2),
+            (32, 512, 8, 2), (32, 512, 8, 4), (64, 256, 8, 4), (64, 512, 8, 4), (128, 256, 8, 4),
+            (128, 512, 8, 4), (256, 256, 8, 8), (64, 512, 8, 3),
+            (4, 4096, 4, 1), (8, 4096, 8, 1), (16, 4096, 8, 1), (4, 4096, 2, 1), (8, 2048, 4, 1),
+            (4, 1024, 2, 1), (8, 1024, 2, 1), (16, 1024, 4, 1), (32, 1024, 8, 1), (16, 2048, 8, 1),
+            (4, 4096, 8, 1), (16, 4096, 4, 1)),
+    "nvfp4": ((16, 512, 4, 4), (32, 512, 8, 4), (64, 512, 8, 3), (128, 512, 8, 3), (128, 512, 8, 8),
+              (64, 1024, 8, 3), (32, 1024, 8, 3), (8, 1024, 4, 1), (16, 1024, 4, 2), (16, 1024, 8, 1),
+              (4, 4096, 4, 1), (8, 4096, 4, 1), (8, 4096, 8, 1), (4, 4096, 2, 1), (16, 4096, 8, 1),
+              (4, 2048, 4, 1), (8, 2048, 4, 1), (4, 1024, 2, 1), (4, 1024, 4, 1), (4, 4096, 8, 1)),
+}
+
+
+def time_tiles(cands: list, fn, timed, pct, log) -> list:
+    """Each candidate tile timed (`timed(lambda i: fn(i, tile), tile)`, which checks it first), with
+    its µs and % of copy bandwidth; the first candidate is the rule. A tile that fails to compile or
+    launch is reported, not fatal."""
+    tried = []
+    for c in cands:
+        try:
+            us = timed(lambda i, c=c: fn(i, c), c)
+        except Exception as e:  # noqa: BLE001 - e.g. registers or shared memory past the limit: reported
+            log(f"  tile {c} failed: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        tried.append(dict(c, us=round(us, 2), pct=pct(us), rule=c is cands[0]))
+    return tried
+
+
+def m1_candidates(kind: str, n: int, k: int) -> list:
+    """The rule tile of `kind` at (n, k), then M1_TILES_N2560[kind] on the N = 2560 shapes."""
+    tiles = M1_TILES_N2560[kind] if n == 2560 else ()
+    return [dict(m1_tile(kind, n, k))] + [dict(block_n=a, block_k=b, num_warps=c, split_k=d) for a, b, c, d in tiles
+                                          if k % b == 0]
+
+
+def bench_m1_tiles(shapes: dict, bw: float, log) -> list:
+    """Batch-1 tiles of gemv_fp8 and gemv_nvfp4 (activations ready, as the runtime's producers hand
+    them), each checked against float64 on a poisoned output and timed in graphs of >= 64 launches:
+    the rule tile, and on the N = 2560 shapes M1_TILES_N2560."""
+    rows = []
+    for name, (n, k) in shapes.items():
+        _, WQ, WP, gs = weight_copies(n, k)
+        nc = len(WQ)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        x_q, x_s, half = quant_fp8_per_token(x, half=True)
+        pairs = nvfp4_x_pairs(x)
+        outs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
+        calls = {"fp8": (lambda i, c: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half, **c),
+                         gemv_fp8_ref(x_q, x_s, *WQ[0]), n * k + n * 2),
+                 "nvfp4": (lambda i, c: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs,
+                                                   m1=WP[i][2], **c),
+                           gemv_nvfp4_ref(x, WP[0][0], WP[0][1], gs), n * k // 2 + n * k // 16)}
+        for fmt, (fn, ref, wbytes) in calls.items():
+            io = k * 2 + n * 2
+            pct = lambda us, b=wbytes + io: round(100 * b / (us * 1e-6) / bw, 1)  # noqa: E731
+
+            def timed(call, label, fmt=fmt, ref=ref):
+                outs[0].fill_(float("nan"))
+                call(0)
+                err = rel(outs[0], ref)
+                if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
+                    raise SystemExit(f"{fmt} tile {label} wrong at {name}: rel err {err:.2e}")
+                return graph_time_us(cycled([lambda i=i: call(i) for i in range(nc)]))
+
+            tried = time_tiles(m1_candidates(fmt, n, k), fn, timed, pct, log)
+            best = min(tried, key=lambda t: t["us"])
+            rule = next(t for t in tried if t["rule"])
+            rows.append({"shape": name, "n": n, "k": k, "format": fmt, "bytes": wbytes + io, "best": best,
+                         "rule": rule, "tried": tried})
+            log(f"{name:20s} {fmt:5s} M=1 rule {rule['us']:6.2f}us ({rule['pct']:5.1f}%)  best {best['us']:6.2f}us "
+                f"({best['pct']:5.1f}%) {({kk: v for kk, v in best.items() if kk not in ('us', 'pct', 'rule')})}")
+        del WQ, WP
+        torch.cuda.empty_cache()
+    return rows
 
 
 def bench_fp8_tiles(shapes: dict, ms: list[int], bw: float, log) -> list:
@@ -480,16 +574,9 @@ def bench_fp8_tiles(shapes: dict, ms: list[int], bw: float, log) -> list:
                 base["_scaled_mm"] = float("nan")
             tried = []
             if m == 1:
-                rule = m1_tile("fp8", n, k)
-                cands = [dict(rule)] + ([dict(block_n=a, block_k=b, num_warps=c, split_k=d) for a, b, c, d in
-                                         M1_TILES_N2560] if n == 2560 else [])
-                for c in cands:
-                    try:
-                        us = timed(lambda i, c=c: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half[0], **c), c)
-                    except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-                        log(f"  M=1 tile {c} failed: {type(e).__name__}: {str(e)[:100]}")
-                        continue
-                    tried.append(dict(c, us=round(us, 2), pct=pct(us), rule=c is cands[0]))
+                tried = time_tiles(m1_candidates("fp8", n, k),
+                                   lambda i, c: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half[0], **c), timed,
+                                   pct, log)
             else:
                 base["plain dot"] = timed(lambda i: gemv_dot(x_q, WQ[i][0], x_s, WQ[i][1], out=outs[i], block_n=16,
                                                              block_k=256, num_warps=4, num_stages=4), "plain dot")
@@ -696,14 +783,19 @@ def main() -> None:
                          "table (the latency table of what the runtime launches, written to --table), "
                          "floor (the fastest read of each shape's bytes beside the runtime's GEMVs), "
                          "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1), "
+                         "m1 (FP8 and NVFP4 batch-1 tiles, swept on the N = 2560 shapes), "
                          "rules (floor's GEMVs alone: the runtime's tiles in long graphs, no sweep), "
                          "floorx (the floor at batch 1 on the N = 2560 shapes, also with an activation read "
                          "after the wait)")
+    ap.add_argument("--pdl", default="0,1,2",
+                    help="floor / floorx: the stream_read PDL orders swept (0 off, 1 the next launch after the "
+                         "wait, 2 before it)")
     ap.add_argument("--shapes", default="all", choices=("all", "fused"),
                     help="GEMV shapes for --only gemv: the fused units and their members, or fused only")
     args = ap.parse_args()
     torch.manual_seed(0)
     only = set(args.only.split(","))
+    modes = tuple(int(v) for v in args.pdl.split(","))
 
     def log(msg):
         print(msg, flush=True)
@@ -726,9 +818,12 @@ def main() -> None:
     if "fp8" in only:
         result["fp8_tiles"] = bench_fp8_tiles(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
     if "floor" in only:
-        result["floor"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log)
+        result["floor"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log, pdl_modes=modes)
     if "floorx" in only:  # the N = 2560 shapes at batch 1: an activation K-step (2048 fp16) read after the wait
-        result["floorx"] = bench_floor({kk: v for kk, v in FUSED.items() if v[0] == 2560}, [1], bw, log, x_words=1024)
+        result["floorx"] = bench_floor({kk: v for kk, v in FUSED.items() if v[0] == 2560}, [1], bw, log, x_words=1024,
+                                       pdl_modes=modes)
+    if "m1" in only:  # batch-1 tiles of both quantized formats, swept on the N = 2560 shapes
+        result["m1_tiles"] = bench_m1_tiles(FUSED, bw, log)
     if "rules" in only:
         result["rules"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log, sweep=False)
     if "table" in only:  # the fused units and their members: search looks both up

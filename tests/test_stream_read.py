@@ -74,3 +74,37 @@ def test_stream_configs_read_nearly_all_and_never_past_the_bytes():
         for c in cfgs:
             read = c["programs"] * c["iters"] * c["block"]
             assert 0.97 * words <= read <= words and c["programs"] >= 66
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("k", [4096, 9216])
+def test_m1_tile_sweep_candidates_compute_the_product(fmt, k):
+    """Every batch-1 tile `--only m1` sweeps on an N = 2560 shape (the rule first, then only tiles
+    whose block_k divides K) computes the GEMV, on a few rows at the shape's full K: a timing in that
+    sweep is always of a correct kernel."""
+    from ocriaquant.quant import fp8, nvfp4
+    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, gemv_nvfp4, gemv_nvfp4_ref, quant_fp8_per_token
+    from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs, pack_m1
+    from ocriaquant.runtime.kernels.tiles import m1_tile
+
+    bk = _bench_kernels()
+    cands = bk.m1_candidates(fmt, 2560, k)
+    assert cands[0] == m1_tile(fmt, 2560, k) and len(cands) > 1
+    assert all(k % c["block_k"] == 0 for c in cands)
+    assert not bk.m1_candidates(fmt, 12288, 2560)[1:]  # other shapes: the rule alone
+    torch.manual_seed(k)
+    rows = 24  # ragged against every block_n above 8
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(rows, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    if fmt == "fp8":
+        (w_q, w_s), (x_q, x_s, half) = fp8.quantize_weight(w), quant_fp8_per_token(x, half=True)
+        ref = gemv_fp8_ref(x_q, x_s, w_q, w_s)
+        run = lambda out, c: gemv_fp8(x_q, x_s, w_q, w_s, out=out, x_half=half, **c)  # noqa: E731
+    else:
+        packed, scales, gs = nvfp4.quantize_weight(w)
+        ref, m1, pairs = gemv_nvfp4_ref(x, packed, scales, gs), pack_m1(packed, scales), nvfp4_x_pairs(x)
+        run = lambda out, c: gemv_nvfp4(None, packed, scales, gs, out=out, x_pairs=pairs, m1=m1, **c)  # noqa: E731
+    for c in cands:
+        out = run(torch.full((1, rows), float("nan"), dtype=torch.bfloat16, device=DEV), c)
+        assert torch.isfinite(out).all(), c
+        assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() <= 1e-2, c

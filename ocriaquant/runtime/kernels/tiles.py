@@ -43,7 +43,10 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   FP8 8 × 4096 3.48 µs against 5.37 for 128 × 256 split 8, NVFP4 4 × 4096 3.22 against 6.59 for
   16 × 512 split 4. Each CTA issues all its weight loads before its PDL wait, and no split-K
   reduction (1.5-1.7 µs at a CTA's tail) remains. On 2560 × 9216 the same idea lost (FP8 4 × 1024
-  unsplit 8.32 µs against 7.92; NVFP4 10.3 against 7.3, and +0.27 to +0.49 ms a step).
+  unsplit 8.32 µs against 7.92; NVFP4 10.3 against 7.3, and +0.27 to +0.49 ms a step). The same
+  session's batch-1 sweep (bench_kernels --only m1) moved the NVFP4 down_proj from 128 × 512 split
+  8 (launched as 6) to 32 × 1024 on 8 warps split 3: 7.25 -> 7.14 µs alone, mixed batch 1 1.644 ->
+  1.632 ms in a 4-round ab_step (faster in every round).
 
 Above batch 1 FP8 runs on the tensor cores, gemv_dot's swapped form (dot_tile): 64 weight rows
 a CTA on one warpgroup, unsplit where K = 2560 (K-steps of 256 on 3 stages up to batch 32, of 128
@@ -85,9 +88,11 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         fp8 = kind != "nvfp4"
         if head:
             return dict(block_n=64, block_k=256)
-        if wide_k and k >= 8192:
+        if wide_k and k >= 8192 and fp8:
             # split 8 asked; launch_plan rounds a split to whole K-tiles: 9216 / 8 -> 1536, 6 splits
-            return dict(block_n=64 if fp8 else 128, block_k=512, split_k=8, num_warps=8)
+            return dict(block_n=64, block_k=512, split_k=8, num_warps=8)
+        if wide_k and k >= 8192:  # NVFP4 down_proj: 1024-wide K-steps, 3 splits (3 partials for the norm)
+            return dict(block_n=32, block_k=1024, split_k=3, num_warps=8)
         if wide_k and kind == "fp8_qx":  # out_proj / o_proj quantizing their input (gemv_fp8_quantizing)
             return dict(block_n=128, block_k=256, split_k=8, num_warps=8)
         if wide_k:  # out_proj / o_proj fed ready activations: each CTA's rows whole in one K-tile

@@ -472,6 +472,20 @@ M1_TILES_N2560 = {
 }
 
 
+def checked_timer(outs: list, ref: torch.Tensor, what: str):
+    """timed(call, label): call(0) into a NaN-poisoned outs[0], checked against ref (finite, relative
+    error <= 1e-2; else the run stops naming `what` and label), then µs per call of a >= 64-launch
+    graph cycling call(i) over the len(outs) weight copies."""
+    def timed(call, label):
+        outs[0].fill_(float("nan"))
+        call(0)
+        err = rel(outs[0], ref)
+        if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
+            raise SystemExit(f"{what} {label} wrong: rel err {err:.2e}")
+        return graph_time_us(cycled([lambda i=i: call(i) for i in range(len(outs))]))
+    return timed
+
+
 def time_tiles(cands: list, fn, timed, pct, log) -> list:
     """Each candidate tile timed (`timed(lambda i: fn(i, tile), tile)`, which checks it first), with
     its µs and % of copy bandwidth; the first candidate is the rule. A tile that fails to compile or
@@ -514,15 +528,7 @@ def bench_m1_tiles(shapes: dict, bw: float, log) -> list:
         for fmt, (fn, ref, wbytes) in calls.items():
             io = k * 2 + n * 2
             pct = lambda us, b=wbytes + io: round(100 * b / (us * 1e-6) / bw, 1)  # noqa: E731
-
-            def timed(call, label, fmt=fmt, ref=ref):
-                outs[0].fill_(float("nan"))
-                call(0)
-                err = rel(outs[0], ref)
-                if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
-                    raise SystemExit(f"{fmt} tile {label} wrong at {name}: rel err {err:.2e}")
-                return graph_time_us(cycled([lambda i=i: call(i) for i in range(nc)]))
-
+            timed = checked_timer(outs, ref, f"{fmt} at {name} M=1, tile")
             tried = time_tiles(m1_candidates(fmt, n, k), fn, timed, pct, log)
             best = min(tried, key=lambda t: t["us"])
             rule = next(t for t in tried if t["rule"])
@@ -554,14 +560,7 @@ def bench_fp8_tiles(shapes: dict, ms: list[int], bw: float, log) -> list:
             outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
             wbytes, io = n * k + n * 2, m * k * 2 + m * n * 2
             pct = lambda us: round(100 * (wbytes + io) / (us * 1e-6) / bw, 1)  # noqa: E731
-
-            def timed(fn, label):
-                outs[0].fill_(float("nan"))
-                fn(0)
-                err = rel(outs[0], ref)
-                if not (bool(torch.isfinite(outs[0]).all()) and err <= 1e-2):
-                    raise SystemExit(f"fp8 {label} wrong at {name} M={m}: rel err {err:.2e}")
-                return graph_time_us(cycled([lambda i=i: fn(i) for i in range(nc)]))
+            timed = checked_timer(outs, ref, f"fp8 at {name} M={m},")
 
             base = {}
             base["bf16 cuBLAS"] = graph_time_us(cycled([lambda i=i: torch.mm(x, W[i].T, out=outs[i]) for i in range(nc)]))

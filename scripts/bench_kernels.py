@@ -52,7 +52,7 @@ import triton.language as tl
 from ocriaquant.bench import copy_bandwidth
 from ocriaquant.quant import fp8, nvfp4
 from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
-from ocriaquant.runtime.kernels.splitk import geometry
+from ocriaquant.runtime.kernels.splitk import geometry, wait_for_inputs
 from ocriaquant.runtime.kernels.tiles import m1_tile
 from ocriaquant.runtime.kernels import (gdn_decode, gdn_decode_ref, gemv_bf16, gemv_bf16_ref, gemv_fp8, gemv_fp8_quantizing,
                                         gemv_fp8_ref, gemv_nvfp4,
@@ -80,12 +80,7 @@ def stream_read_kernel(src_ptr, out_ptr, iters, x_ptr, BLOCK: tl.constexpr, PDL:
     base = tl.program_id(0).to(tl.int64) * iters * BLOCK
     offs = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), BLOCK), BLOCK)
     cur = tl.load(src_ptr + base + offs, eviction_policy="evict_first")
-    if PDL == 2:  # the next launch may start before this one's wait (splitk.TRIGGER_FIRST)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(PDL)  # as the GEMVs wait: PDL 1 the next launch after the wait, 2 before it
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     if X_WORDS > 0:
         xs = tl.xor_sum(tl.load(x_ptr + tl.arange(0, X_WORDS)), 0)

@@ -37,16 +37,16 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   (split 8 both): 1.689 -> 1.672 ms a step, 1.685 -> 1.679 in a 4-round re-run; 64 × 512,
   32 × 512 and 64 × 256 on 8 warps were slower or equal, as were other FP8 down_proj
   (2560 × 9216) and gate_up tiles in the latency table. That out_proj quantizes its own input
-  (kind fp8_qx: each CTA its K-slice, so narrow unsplit tiles would quantize the whole row in
-  every CTA: 7.7-8.8 µs against 4.5). Fed ready activations (kind fp8, nvfp4), K = 4096 runs
-  fastest as narrow rows whole in one K-tile, unsplit, on 4 warps (session 24, alone on an H200):
-  FP8 8 × 4096 3.48 µs against 5.37 for 128 × 256 split 8, NVFP4 4 × 4096 3.22 against 6.59 for
-  16 × 512 split 4. Each CTA issues all its weight loads before its PDL wait, and no split-K
-  reduction (1.5-1.7 µs at a CTA's tail) remains. On 2560 × 9216 the same idea lost (FP8 4 × 1024
-  unsplit 8.32 µs against 7.92; NVFP4 10.3 against 7.3, and +0.27 to +0.49 ms a step). The same
-  session's batch-1 sweep (bench_kernels --only m1) moved the NVFP4 down_proj from 128 × 512 split
-  8 (launched as 6) to 32 × 1024 on 8 warps split 3: 7.25 -> 7.14 µs alone, mixed batch 1 1.644 ->
-  1.632 ms in a 4-round ab_step (faster in every round).
+  (kind fp8_qx): each CTA quantizes its K-slice, so it keeps a split tile; unsplit narrow tiles
+  would quantize the whole row in every CTA. Fed ready activations (kind fp8, nvfp4), K = 4096
+  runs fastest as narrow rows whole in one K-tile, unsplit, on 4 warps (session 24, alone on an
+  H200, BENCHMARKS.md): FP8 8 × 4096 3.42 µs against 5.37 for 128 × 256 split 8, NVFP4 4 × 4096
+  3.14 against 6.31 for 16 × 512 split 4. Each CTA issues all its weight loads before its PDL
+  wait, and no split-K reduction is left at its tail. On 2560 × 9216 the same idea lost (FP8
+  8 × 1024 unsplit 8.38 µs against 7.83; NVFP4 4 × 1024 10.1 against 7.25). The same session's
+  batch-1 sweep (bench_kernels --only m1) moved the NVFP4 down_proj from 128 × 512 split 8
+  (launched as 6) to 32 × 1024 on 8 warps split 3: 7.25 -> 7.14 µs alone, mixed batch 1
+  1.644 -> 1.632 ms in a 4-round ab_step (faster in every round).
 
 Above batch 1 FP8 runs on the tensor cores, gemv_dot's swapped form (dot_tile): 64 weight rows
 a CTA on one warpgroup, unsplit where K = 2560 (K-steps of 256 on 3 stages up to batch 32, of 128
@@ -61,8 +61,9 @@ N = 2560 shapes, which have only 40 row tiles: K = 4096 (out_proj / o_proj) now 
 were 8-20 % slower.
 
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
-shape (kind: bf16, fp8, fp8_qx (the FP8 GEMV that quantizes its input), nvfp4, nvfp4_silu, and fp8_dot for the tensor-core path at every batch
-above 1, which also takes the pipeline's depth: "block_n,block_k,num_warps,split_k,num_stages"):
+shape (kind: bf16, fp8, fp8_qx (the FP8 GEMV that quantizes its input), nvfp4, nvfp4_silu, and
+fp8_dot for the tensor-core path at every batch above 1, which also takes the pipeline's depth:
+"block_n,block_k,num_warps,split_k,num_stages"):
 how a tile is re-swept inside the decode step, or tuned for a GPU other than the H200, without
 editing code.
 """

@@ -735,6 +735,18 @@ def test_pdl_only_on_the_gpu(monkeypatch):
     assert not use_pdl(cuda, None)
 
 
+def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
+    """The tiles the batch-1 FP8 GEMV asks L2 for before its wait: what gemv_fp8.M1_L2_AHEAD asks, cut to the
+    tiles its split has after the first and to a power of two (prefetch_ahead's line count), none under the
+    interpreter (the prefetch is PTX). The prefetch itself changes no output: the GPU tests compare outputs
+    with it on (test_gemv_pdl_in_graph, the GEMV tests at multi-tile splits)."""
+    from ocriaquant.runtime.kernels.splitk import l2_ahead
+
+    assert [l2_ahead(False, t, 1) for t in (0, 1, 4)] == [0, 1, 1]
+    assert [l2_ahead(False, t, 3) for t in (0, 1, 2, 3, 7)] == [0, 1, 2, 2, 2]
+    assert l2_ahead(True, 4, 1) == 0 and l2_ahead(False, 4, 0) == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU "
                     "(test_pdl_only_on_the_gpu covers the CPU side)")
 @pytest.mark.parametrize("trigger_first", [0, 1])

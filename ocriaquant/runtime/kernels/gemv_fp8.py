@@ -19,9 +19,15 @@ from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
-from .splitk import (Partials, launch_plan, partials_view, pdl_flag, split_tile, start_after_producer, store_row,
-                     use_pdl, wait_for_inputs, whole_tile_mask, workspace)
+from .splitk import (Partials, l2_ahead, launch_plan, partials_view, pdl_flag, prefetch_ahead, split_tile,
+                     start_after_producer, store_row, use_pdl, wait_for_inputs, whole_tile_mask, workspace)
 from .tiles import dot_tile
+
+# K-tiles past its first that a batch-1 CTA asks L2 for before its PDL wait (splitk.prefetch_ahead): only the
+# first tile's loads are otherwise in flight across the wait. On an H200 (BENCHMARKS.md, session 25) 1 took
+# the mixed plan's batch-1 step from 1.631-1.632 to 1.625-1.626 ms in two A/Bs (faster in all 7 rounds); 2
+# was no faster than none, and NVFP4's kernel lost with either (+0.011 / +0.023 ms). Read at every launch.
+M1_L2_AHEAD = 1
 
 
 @triton.jit
@@ -83,7 +89,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
                         EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr,
-                        EARLY: tl.constexpr):
+                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -99,6 +105,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
     v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
     if EARLY:  # where it measured faster (early_scales)
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    prefetch_ahead(w_ptr, rn, N, stride_wn, 4 * (q_first + NQ), 4 * q_end, AHEAD, 4 * NQ, 32)
     wait_for_inputs(PDL)
     if EARLY and not QX:
         xs = tl.load(xs_ptr)
@@ -163,7 +170,7 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                               EVEN_N=n % block_n == 0, QX=qx,
                               NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
                               BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
-                              launch_pdl=pdl)
+                              AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD), launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

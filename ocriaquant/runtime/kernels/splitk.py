@@ -87,6 +87,31 @@ def use_pdl(device: torch.device, pdl: bool | None) -> bool:
 TRIGGER_FIRST = int(os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST", "0"))
 
 
+@triton.jit
+def prefetch_l2(ptrs):
+    """Each address's line into L2 (prefetch.global.L2); the int32 returned is a dummy."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_ahead(w_ptr, rn, N, stride_wn, start, end, AHEAD: tl.constexpr, STEP: tl.constexpr,
+                   LINE: tl.constexpr):
+    """Ask L2 for elements start … start + AHEAD·STEP - 1 (clamped below end) of rows rn (clamped
+    below N) of w_ptr, one request per LINE elements (128 bytes). GPU only."""
+    if AHEAD > 0:
+        rl = tl.arange(0, (AHEAD * STEP + LINE - 1) // LINE)
+        off = tl.minimum(start + rl * LINE, end - 1)
+        prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn + off[None, :])
+
+
+def l2_ahead(interpret: bool, tiles_after_first: int, ahead: int) -> int:
+    """prefetch_ahead's AHEAD for a launch asking `ahead` tiles: 0 under the interpreter (no PTX), never more than
+    the split has tiles left, a power of two."""
+    a = 0 if interpret else min(ahead, tiles_after_first)
+    return 1 << (a.bit_length() - 1) if a > 0 else 0
+
+
 def pdl_flag(pdl: bool) -> int:
     """The PDL constexpr of a kernel that waits with wait_for_inputs: 0 no PDL, 1 wait then let
     the next kernel launch, 2 let it launch, then wait (TRIGGER_FIRST)."""

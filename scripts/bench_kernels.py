@@ -21,8 +21,9 @@
   tiles.py tiles in the same long graphs, without the stream sweep;
 - FP8 tiles (`--only fp8`): gemv_fp8's tiles at each batch, the tensor-core form's swept
   above batch 1, beside the old form, cuBLAS BF16 and _scaled_mm (what tiles.dot_tile is from);
-- batch-1 tiles (`--only m1`): gemv_fp8's and gemv_nvfp4's on the N = 2560 shapes (M1_TILES_N2560),
-  beside the rule tile tiles.m1_tile gives them, in the same long graphs.
+- batch-1 tiles (`--only m1`): gemv_fp8's and gemv_nvfp4's on the N = 2560 shapes (M1_TILES_N2560) and
+  the K = 2560 input projections (M1_TILES_K2560), beside the rule tile tiles.m1_tile gives them, in the
+  same long graphs.
 
 Every kernel is first checked against its float64 reference on fresh random inputs with a
 NaN-poisoned output. Times are medians of CUDA-graph replays, each replay cycling over enough
@@ -465,6 +466,15 @@ M1_TILES_N2560 = {
               (4, 4096, 4, 1), (8, 4096, 4, 1), (8, 4096, 8, 1), (4, 4096, 2, 1), (16, 4096, 8, 1),
               (4, 2048, 4, 1), (8, 2048, 4, 1), (4, 1024, 2, 1), (4, 1024, 4, 1), (4, 4096, 8, 1)),
 }
+# ... and on the K = 2560 input projections (gdn_in 12288, mlp_up 18432; session 25): the 4-warp gate_up
+# tile, the 8-warp wide ones, and splits of one K-tile each (every load before the PDL wait)
+M1_TILES_K2560 = {
+    "fp8": ((32, 512, 4, 1), (16, 512, 4, 1), (64, 512, 4, 1), (128, 256, 8, 1), (256, 128, 8, 1), (32, 256, 4, 1),
+            (64, 256, 8, 1), (8, 512, 4, 5), (16, 512, 4, 5), (32, 512, 4, 5), (64, 512, 8, 5), (32, 512, 8, 1)),
+    "nvfp4": ((32, 512, 4, 1), (16, 512, 4, 1), (64, 512, 4, 1), (32, 512, 8, 1), (128, 512, 8, 1), (16, 256, 4, 1),
+              (32, 256, 4, 1), (64, 256, 4, 1), (64, 256, 8, 1), (8, 512, 4, 5), (16, 512, 4, 5), (32, 512, 4, 5),
+              (32, 512, 8, 5), (16, 512, 2, 5), (8, 512, 2, 5), (32, 512, 2, 1)),
+}
 
 
 def checked_timer(outs: list, ref: torch.Tensor, what: str):
@@ -497,8 +507,9 @@ def time_tiles(cands: list, fn, timed, pct, log) -> list:
 
 
 def m1_candidates(kind: str, n: int, k: int) -> list:
-    """The rule tile of `kind` at (n, k), then M1_TILES_N2560[kind] on the N = 2560 shapes."""
-    tiles = M1_TILES_N2560[kind] if n == 2560 else ()
+    """The rule tile of `kind` at (n, k), then M1_TILES_N2560[kind] on the N = 2560 shapes, M1_TILES_K2560[kind] on
+    the K = 2560 input projections."""
+    tiles = M1_TILES_N2560[kind] if n == 2560 else M1_TILES_K2560[kind] if k == 2560 and n < 65536 else ()
     return [dict(m1_tile(kind, n, k))] + [dict(block_n=a, block_k=b, num_warps=c, split_k=d) for a, b, c, d in tiles
                                           if k % b == 0]
 
@@ -506,7 +517,7 @@ def m1_candidates(kind: str, n: int, k: int) -> list:
 def bench_m1_tiles(shapes: dict, bw: float, log) -> list:
     """Batch-1 tiles of gemv_fp8 and gemv_nvfp4 (activations ready, as the runtime's producers hand
     them), each checked against float64 on a poisoned output and timed in graphs of >= 64 launches:
-    the rule tile, and on the N = 2560 shapes M1_TILES_N2560."""
+    the rule tile, and M1_TILES_N2560 / M1_TILES_K2560 (m1_candidates)."""
     rows = []
     for name, (n, k) in shapes.items():
         _, WQ, WP, gs = weight_copies(n, k)
@@ -777,7 +788,7 @@ def main() -> None:
                          "table (the latency table of what the runtime launches, written to --table), "
                          "floor (the fastest read of each shape's bytes beside the runtime's GEMVs), "
                          "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1), "
-                         "m1 (FP8 and NVFP4 batch-1 tiles, swept on the N = 2560 shapes), "
+                         "m1 (FP8 and NVFP4 batch-1 tiles, swept on the N = 2560 and K = 2560 shapes), "
                          "rules (floor's GEMVs alone: the runtime's tiles in long graphs, no sweep), "
                          "floorx (the floor at batch 1 on the N = 2560 shapes, also with an activation read "
                          "after the wait)")
@@ -816,7 +827,7 @@ def main() -> None:
     if "floorx" in only:  # the N = 2560 shapes at batch 1: an activation K-step (2048 fp16) read after the wait
         result["floorx"] = bench_floor({kk: v for kk, v in FUSED.items() if v[0] == 2560}, [1], bw, log, x_words=1024,
                                        pdl_modes=modes)
-    if "m1" in only:  # batch-1 tiles of both quantized formats, swept on the N = 2560 shapes
+    if "m1" in only:  # batch-1 tiles of both quantized formats, swept on the N = 2560 and K = 2560 shapes
         result["m1_tiles"] = bench_m1_tiles(FUSED, bw, log)
     if "rules" in only:
         result["rules"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log, sweep=False)

@@ -77,21 +77,21 @@ def test_stream_configs_read_nearly_all_and_never_past_the_bytes():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("k", [4096, 9216])
-def test_m1_tile_sweep_candidates_compute_the_product(fmt, k):
-    """Every batch-1 tile `--only m1` sweeps on an N = 2560 shape (the rule first, then only tiles
-    whose block_k divides K) computes the GEMV, on a few rows at the shape's full K: a timing in that
-    sweep is always of a correct kernel."""
+@pytest.mark.parametrize("n,k", [(2560, 4096), (2560, 9216), (12288, 2560)])
+def test_m1_tile_sweep_candidates_compute_the_product(fmt, n, k):
+    """Every batch-1 tile `--only m1` sweeps on an N = 2560 shape or a K = 2560 input projection (the
+    rule first, then only tiles whose block_k divides K) computes the GEMV, on a few rows at the
+    shape's full K: a timing in that sweep is always of a correct kernel."""
     from ocriaquant.quant import fp8, nvfp4
     from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, gemv_nvfp4, gemv_nvfp4_ref, quant_fp8_per_token
     from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs, pack_m1
     from ocriaquant.runtime.kernels.tiles import m1_tile
 
     bk = _bench_kernels()
-    cands = bk.m1_candidates(fmt, 2560, k)
-    assert cands[0] == m1_tile(fmt, 2560, k) and len(cands) > 1
+    cands = bk.m1_candidates(fmt, n, k)
+    assert cands[0] == m1_tile(fmt, n, k) and len(cands) > 1
     assert all(k % c["block_k"] == 0 for c in cands)
-    assert not bk.m1_candidates(fmt, 12288, 2560)[1:]  # other shapes: the rule alone
+    assert not bk.m1_candidates(fmt, 248320, 2560)[1:]  # the lm_head: the rule alone
     torch.manual_seed(k)
     rows = 24  # ragged against every block_n above 8
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
@@ -108,3 +108,28 @@ def test_m1_tile_sweep_candidates_compute_the_product(fmt, k):
         out = run(torch.full((1, rows), float("nan"), dtype=torch.bfloat16, device=DEV), c)
         assert torch.isfinite(out).all(), c
         assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() <= 1e-2, c
+
+
+@pytest.mark.parametrize("form", [dict(wtma=0), dict(wtma=1), dict(tiled=1), dict(tiled=1, wtma=1), dict(pre_k=256),
+                                  dict(split_k=2, wtma=1), dict(split_k=3, pre_k=256)])
+def test_probe_dot_forms_compute_the_product(form, monkeypatch):
+    """Each form scripts/probe_dot_forms.py times (TMA loads, the tiled weight, loads before the wait, split-K)
+    computes the FP8 GEMV of its reference at a small shape: a timing in that probe is of a correct kernel."""
+    import importlib
+
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import gemv_fp8_ref, quant_fp8_per_token
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))  # the probe imports bench_kernels
+    probe = importlib.import_module("probe_dot_forms")
+    torch.manual_seed(1)
+    n, k, m = 128, 1024, 8
+    w_q, w_s = fp8.quantize_weight(torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
+    x_q, x_s = quant_fp8_per_token(torch.randn(m, k, dtype=torch.bfloat16, device=DEV))
+    c = dict(block_n=64, block_k=128, num_stages=2, **form)
+    src = probe.tiled_weight(w_q, 64, 128) if c.get("tiled") else w_q
+    out = probe.probe_gemv(x_q, x_s, w_q, w_s, torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV),
+                           src, **c)
+    ref = gemv_fp8_ref(x_q, x_s, w_q, w_s)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2

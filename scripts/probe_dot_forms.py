@@ -138,12 +138,12 @@ def probe_forms(sets: list[str], batches: list[int], bw: float, log) -> list:
     rows = []
     for name, (n, k) in SHAPES.items():
         _, WQ, _, _ = weight_copies(n, k)
-        nc = len(WQ)
-        tiled = {bk: [tiled_weight(WQ[i][0], 64, bk) for i in range(nc)] for bk in (128, 256, 512)}
+        # the re-laid copies only where the tiled set asks for them (its K-steps: 128, 256)
+        tiled = {bk: [tiled_weight(w, 64, bk) for w, _ in WQ] for bk in (128, 256)} if "tiled" in sets else {}
         for m in batches:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             x_q, x_s = quant_fp8_per_token(x)
-            outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
+            outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in WQ]
             timed = checked_timer(outs, gemv_fp8_ref(x_q, x_s, *WQ[0]), f"{name} M={m}")
             pct = lambda us: round(100 * (n * k + n * 2 + m * k * 2 + m * n * 2) / (us * 1e-6) / bw, 1)  # noqa: E731
             rule = timed(lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i]), "rule")

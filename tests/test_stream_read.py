@@ -133,3 +133,70 @@ def test_probe_dot_forms_compute_the_product(form, monkeypatch):
     ref = gemv_fp8_ref(x_q, x_s, w_q, w_s)
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2
+
+
+def _probe_mma(monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))  # the probe imports bench_kernels
+    return importlib.import_module("probe_mma_gemv")
+
+
+def test_probe_mma_packing_meets_the_mma_fragments(monkeypatch):
+    """scripts/probe_mma_gemv.py's pack_fp8 gives each lane the A fragments of its two m16n8k16 MMAs a K-step in
+    the K order the activation words use: multiplying the fragments as the PTX ISA lays them out (lane 4g + t:
+    A (row g / g+8, K slots 2t, 2t+1 | 2t+8, 2t+9), B (the same slots, column g)), written here from that
+    layout alone, gives W · xᵀ. The kernel itself runs only on a GPU (test_probe_mma_gemv_computes_the_product)."""
+    probe = _probe_mma(monkeypatch)
+    torch.manual_seed(0)
+    n, k, m = 32, 96, 8
+    w = torch.randn(n, k).to(torch.float8_e4m3fn)
+    x = torch.randn(m, k).to(torch.float8_e4m3fn)
+    words = probe.pack_fp8(w)
+    assert words.shape == (n // 16, k // 32, 32, 4) and words.dtype == torch.int32
+
+    def e4m3(b):  # uint8 codes -> values
+        return b.contiguous().view(torch.float8_e4m3fn).double()
+
+    got = torch.zeros(n, m, dtype=torch.float64)
+    xb = x.view(torch.uint8)
+    for rg in range(n // 16):
+        for ks in range(k // 32):
+            for j in range(2):  # the K-step's two MMAs: words (2j, 2j + 1), activations at k + 16j
+                a = torch.zeros(16, 16, dtype=torch.float64)
+                b = torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    by = words[rg, ks, lane].contiguous().view(torch.uint8)
+                    for h, word in ((0, 2 * j), (8, 2 * j + 1)):  # rows g, g + 8
+                        v = e4m3(by[4 * word:4 * word + 4])
+                        a[g + h, 2 * t:2 * t + 2], a[g + h, 2 * t + 8:2 * t + 10] = v[:2], v[2:]
+                    k0 = 32 * ks + 16 * j + 4 * t
+                    v = e4m3(xb[g, k0:k0 + 4])
+                    b[2 * t:2 * t + 2, g], b[2 * t + 8:2 * t + 10, g] = v[:2], v[2:]
+                got[16 * rg:16 * rg + 16] += a @ b
+    assert torch.equal(got, w.double() @ x.double().T)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX (mma.sync): GPU only")
+@pytest.mark.parametrize("m,cfg", [(1, dict(rows=1, unroll=4, num_warps=2, split_k=1)),
+                                   (1, dict(rows=2, unroll=4, num_warps=4, split_k=2)),
+                                   (8, dict(rows=1, unroll=8, num_warps=2, split_k=2)),
+                                   (13, dict(rows=2, unroll=4, num_warps=2, split_k=1))])
+def test_probe_mma_gemv_computes_the_product(m, cfg, monkeypatch):
+    """The probe's FP8 GEMV on warp MMAs (codes, and at M = 1 the fp16 activation form) against float64, on a
+    NaN-poisoned output, split and unsplit, M past one token tile: a timing in that probe is of a correct kernel."""
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.kernels import gemv_fp8_ref, quant_fp8_per_token
+
+    probe = _probe_mma(monkeypatch)
+    torch.manual_seed(m)
+    n, k = 64, 1024
+    w_q, w_s = fp8.quantize_weight(torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5)
+    x_q, x_s, x_h = quant_fp8_per_token(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"), half=True)
+    ref = gemv_fp8_ref(x_q, x_s, w_q, w_s)
+    for half in ((None, x_h) if m == 1 else (None,)):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        probe.gemv_fp8_mma(x_q, x_s, probe.pack_fp8(w_q), w_s.float(), out=out, x_half=half, **cfg)
+        assert torch.isfinite(out).all()
+        assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2

@@ -72,15 +72,9 @@ def _ld_v4(ptr):
 
 
 @triton.jit
-def _ld_v2(ptr):
-    a = ptr.to(tl.int64, bitcast=True)
-    return tl.inline_asm_elementwise("ld.global.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [a],
-                                     dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
-
-
-@triton.jit
 def _ld_v2_if(ptr, ok):
-    """_ld_v2 where ok (int32, nonzero), zeros elsewhere with no memory request."""
+    """Two int32 words at each 8-byte aligned ptr where ok (int32, nonzero); zeros elsewhere, with no memory
+    request (the lanes of tokens past M)."""
     a = ptr.to(tl.int64, bitcast=True)
     return tl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\nmov.b32 $0, 0;\nmov.b32 $1, 0;\n"
                                      "@p ld.global.v2.b32 {$0, $1}, [$3];\n}", "=r,=r,r,l", [ok, a],
@@ -89,16 +83,11 @@ def _ld_v2_if(ptr, ok):
 
 @triton.jit
 def _ld_b32_if(ptr, ok):
+    """One int32 word at each ptr where ok, as _ld_v2_if."""
     a = ptr.to(tl.int64, bitcast=True)
     return tl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.b32 p, $1, 0;\nmov.b32 $0, 0;\n"
                                      "@p ld.global.b32 $0, [$2];\n}", "=r,r,l", [ok, a], dtype=tl.int32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _ld_b32(ptr):
-    a = ptr.to(tl.int64, bitcast=True)
-    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [a], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -120,12 +109,6 @@ def _mma2(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, c0, c1, c2, c3):
     return tl.inline_asm_elementwise(_MMA2_PTX, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r,f,f,f,f",
                                      [a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, c0, c1, c2, c3],
                                      dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lanes4(v, R: tl.constexpr, NT: tl.constexpr, W: tl.constexpr):
-    """[R, NT, 32·W] lane values -> [R, NT, 8, 4] by (g, t), summed over the W warps."""
-    return tl.sum(tl.reshape(v, (R, NT, W, 8, 4)), 2)
 
 
 @triton.jit

@@ -21,8 +21,6 @@
   tiles.py tiles in the same long graphs, without the stream sweep;
 - FP8 tiles (`--only fp8`): gemv_fp8's tiles at each batch, the tensor-core form's swept
   above batch 1, beside the old form, cuBLAS BF16 and _scaled_mm (what tiles.dot_tile is from);
-- batch-1 preloads (`--only preload`): the rule tiles (and PRELOAD_TILES) with 1-3 of a split's K-tiles
-  loaded before the PDL wait (gemv_fp8 / gemv_nvfp4 M1_PRELOAD), with the registers each took.
 - batch-1 tiles (`--only m1`): gemv_fp8's and gemv_nvfp4's on the N = 2560 shapes (M1_TILES_N2560) and
   the K = 2560 input projections (M1_TILES_K2560), beside the rule tile tiles.m1_tile gives them, in the
   same long graphs.
@@ -549,90 +547,6 @@ def bench_m1_tiles(shapes: dict, bw: float, log) -> list:
     return rows
 
 
-# Batch-1 tiles timed at each M1_PRELOAD (--only preload): beside each shape's rule tile, alternatives with
-# fewer warps or registers a CTA, so that a deeper preload can still fit two CTAs on an SM.
-PRELOAD_TILES = {"fp8": {(2560, 9216): ((64, 512, 4, 8), (32, 1024, 8, 3), (64, 1024, 8, 3)),
-                         (12288, 2560): ((64, 512, 4, 1),)},
-                 "nvfp4": {(2560, 9216): ((32, 1024, 4, 3), (16, 1024, 4, 3), (64, 512, 8, 6)),
-                           (12288, 2560): ((64, 512, 4, 1),)}}
-
-
-def bench_m1_preload(shapes: dict, bw: float, log, pres=(1, 2, 3)) -> list:
-    """Batch 1: each shape's rule tiles (FP8 ready and quantizing, NVFP4 plain and, on gate_up, with SiLU) and
-    PRELOAD_TILES, with 1-3 of a split's K-tiles loaded before the PDL wait (gemv_fp8 / gemv_nvfp4 M1_PRELOAD):
-    each checked against float64 on a poisoned output (the SiLU form bit for bit against PRE 1), timed in graphs
-    of >= 64 launches, with the registers Triton gave the kernel."""
-    import importlib
-
-    mods = {f: importlib.import_module(f"ocriaquant.runtime.kernels.gemv_{f}") for f in ("fp8", "nvfp4")}
-    kern = {"fp8": mods["fp8"]._gemv_fp8_m1_kernel, "nvfp4": mods["nvfp4"]._gemv_nvfp4_m1_kernel}
-
-    def regs(fmt):  # the most registers of any kernel compiled so far (best effort: Triton's cache layout varies)
-        try:
-            return max(k.n_regs for c in kern[fmt].device_caches.values() for k in c[0].values())
-        except Exception:  # noqa: BLE001 - reported as unknown
-            return None
-
-    rows = []
-    for name, (n, k) in shapes.items():
-        if n >= 65536:
-            continue
-        _, WQ, WP, gs = weight_copies(n, k)
-        nc = len(WQ)
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        x_q, x_s, half = quant_fp8_per_token(x, half=True)
-        amax = x.float().abs().amax().reshape(1)
-        pairs = nvfp4_x_pairs(x)
-        outs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
-        io = k * 2 + n * 2
-        forms = [("fp8", "fp8", lambda i, c: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=half, **c),
-                  gemv_fp8_ref(x_q, x_s, *WQ[0]), n * k + n * 2),
-                 ("nvfp4", "nvfp4", lambda i, c: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs,
-                                                          m1=WP[i][2], **c),
-                  gemv_nvfp4_ref(x, WP[0][0], WP[0][1], gs), n * k // 2 + n * k // 16)]
-        if name == QUANTIZING:
-            forms.append(("fp8", "fp8_qx", lambda i, c: gemv_fp8_quantizing(x, amax, *WQ[i], out=outs[i], **c),
-                          gemv_fp8_ref(x_q, x_s, *WQ[0]), n * k + n * 2))
-        silu = None
-        if n == 18432:  # gate_up: the SiLU form the mixed plan runs, on the interleaved words
-            inter = [pack_m1(WP[i][0], WP[i][1], interleave=True) for i in range(nc)]
-            silu = lambda i, c: gemv_nvfp4_silu(pairs, inter[i], gs, **c)  # noqa: E731
-        for fmt, kind, fn, ref, wbytes in forms:
-            pct = lambda us, b=wbytes + io: round(100 * b / (us * 1e-6) / bw, 1)  # noqa: E731
-            timed = checked_timer(outs, ref, f"{kind} at {name} M=1, preload")
-            tiles = [dict(m1_tile(kind, n, k))] + [dict(block_n=a, block_k=b, num_warps=w, split_k=d) for a, b, w, d
-                                                   in PRELOAD_TILES[fmt].get((n, k), ()) if kind == fmt]
-            for tile in tiles:
-                for pre in pres:
-                    setattr(mods[fmt], "M1_PRELOAD", pre)
-                    got = time_tiles([tile], fn, timed, pct, log)
-                    if got:
-                        rows.append(dict(shape=name, n=n, k=k, kind=kind, pre=pre, regs=regs(fmt), **got[0]))
-                        log(f"{name:20s} {kind:6s} {tile} PRE {pre}: {got[0]['us']:6.2f}us ({got[0]['pct']:5.1f}%) "
-                            f"regs {rows[-1]['regs']}")
-        if silu is not None:
-            tile = m1_tile("nvfp4_silu", n, k)
-            setattr(mods["nvfp4"], "M1_PRELOAD", 1)
-            want = silu(0, tile)
-            want = (want[0].clone(), want[1].clone())
-            for pre in pres:
-                setattr(mods["nvfp4"], "M1_PRELOAD", pre)
-                got = silu(0, tile)
-                if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                    raise SystemExit(f"gemv_nvfp4_silu at PRE {pre} differs from PRE 1")
-                us = graph_time_us(cycled([lambda i=i: silu(i, tile) for i in range(nc)]))
-                b = n * k // 2 + n * k // 16 + io
-                rows.append(dict(shape=name, n=n, k=k, kind="nvfp4_silu", pre=pre, regs=regs("nvfp4"), **tile,
-                                 us=round(us, 2), pct=round(100 * b / (us * 1e-6) / bw, 1)))
-                log(f"{name:20s} nvfp4_silu {tile} PRE {pre}: {us:6.2f}us ({rows[-1]['pct']:5.1f}%) "
-                    f"regs {rows[-1]['regs']}")
-        for m in mods.values():
-            m.M1_PRELOAD = 1
-        del WQ, WP
-        torch.cuda.empty_cache()
-    return rows
-
-
 def bench_fp8_tiles(shapes: dict, ms: list[int], bw: float, log) -> list:
     """FP8 GEMV tiles, each checked against float64 on a poisoned output, timed in graphs of >= 64
     launches: above batch 1 gemv_dot's swapped form over DOT_TILES (½, 1, 2, 4 × the auto split) beside
@@ -877,7 +791,7 @@ def main() -> None:
                          "m1 (FP8 and NVFP4 batch-1 tiles, swept on the N = 2560 and K = 2560 shapes), "
                          "rules (floor's GEMVs alone: the runtime's tiles in long graphs, no sweep), "
                          "floorx (the floor at batch 1 on the N = 2560 shapes, also with an activation read "
-                         "after the wait), preload (batch-1 tiles with 1-3 K-tiles loaded before the PDL wait)")
+                         "after the wait)")
     ap.add_argument("--pdl", default="0,1,2",
                     help="floor / floorx: the stream_read PDL orders swept (0 off, 1 the next launch after the "
                          "wait, 2 before it)")
@@ -915,8 +829,6 @@ def main() -> None:
                                        pdl_modes=modes)
     if "m1" in only:  # batch-1 tiles of both quantized formats, swept on the N = 2560 and K = 2560 shapes
         result["m1_tiles"] = bench_m1_tiles(FUSED, bw, log)
-    if "preload" in only:  # batch-1 GEMVs with 1-3 K-tiles of their split loaded before the PDL wait
-        result["m1_preload"] = bench_m1_preload(FUSED, bw, log)
     if "rules" in only:
         result["rules"] = bench_floor(FUSED, [int(v) for v in args.batches.split(",")], bw, log, sweep=False)
     if "table" in only:  # the fused units and their members: search looks both up

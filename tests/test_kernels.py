@@ -2,7 +2,6 @@
 TRITON_INTERPRET=1 at small shapes (the README's test command sets it); scripts/bench_kernels.py
 runs the same checks at Qwen3.5-4B shapes on the GPU."""
 
-import importlib
 import os
 
 import pytest
@@ -234,47 +233,6 @@ def test_gemv_nvfp4_silu_pairs(i, k, block_k):
         gemv_nvfp4_silu(xp, pack_m1(packed, scales, interleave=True), gs, block_n=16)
     with pytest.raises(ValueError, match="I a multiple of 16"):
         pack_m1(packed[:40], scales[:40], interleave=True)
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("n,k,block_n,block_k,split", [(40, 1280, 16, 256, 1), (40, 1280, 16, 256, 2),
-                                                       (24, 768, 8, 256, 1), (32, 512, 16, 512, 1),
-                                                       (36, 1536, 16, 256, 2)])
-def test_gemv_m1_preloaded_tiles_change_no_sum(monkeypatch, fmt, n, k, block_n, block_k, split):
-    """Batch 1 with 2 or 3 of a split's K-tiles loaded before the PDL wait (M1_PRELOAD) adds the same
-    tiles in the same order as with one: bit for bit the same output, split or whole K, on splits of
-    1-5 tiles, an uneven last split (1280 in splits of 768 + 512) and ragged row tiles; FP8's
-    quantizing form too."""
-    from ocriaquant.quant import fp8, nvfp4
-    from ocriaquant.runtime import kernels as kn
-
-    torch.manual_seed(n + k + split)
-    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV) * 3
-    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
-    tile = dict(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
-    if fmt == "fp8":
-        w_q, w_s = fp8.quantize_weight(w)
-        x_q, x_s = kn.quant_fp8_per_token(x)
-        amax = x.float().abs().amax().reshape(1)
-        ref = kn.gemv_fp8_ref(x_q, x_s, w_q, w_s)
-
-        def run():
-            return (kn.gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, n), path="half2", **tile),
-                    kn.gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, n), **tile))
-    else:
-        packed, scales, gs = nvfp4.quantize_weight(w)
-        ref = kn.gemv_nvfp4_ref(x, packed, scales, gs)
-
-        def run():
-            return (kn.gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), path="fma", **tile),)
-    mod = importlib.import_module(f"ocriaquant.runtime.kernels.gemv_{fmt}")  # the package names its functions so
-    monkeypatch.setattr(mod, "M1_PRELOAD", 1)
-    base = run()
-    assert all(torch.isfinite(o).all() and rel(o, ref) <= 1e-2 for o in base)
-    for pre in (2, 3):
-        monkeypatch.setattr(mod, "M1_PRELOAD", pre)
-        for got, want in zip(run(), base):
-            assert torch.equal(got, want), pre
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 3e4])

@@ -28,9 +28,6 @@ from .tiles import dot_tile
 # the mixed plan's batch-1 step from 1.631-1.632 to 1.625-1.626 ms in two A/Bs (faster in all 7 rounds); 2
 # was no faster than none, and NVFP4's kernel lost with either (+0.011 / +0.023 ms). Read at every launch.
 M1_L2_AHEAD = 1
-# K-tiles of its split that a batch-1 CTA loads into registers before its PDL wait (1-3, never more than the split
-# has); the loop then keeps that many in flight, and asks L2 for M1_L2_AHEAD past them. Read at every launch.
-M1_PRELOAD = 1
 
 
 @triton.jit
@@ -92,7 +89,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
                         EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr,
-                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0, PRE: tl.constexpr = 1):
+                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -106,19 +103,9 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
     if WHOLE:  # splits start on a whole K-tile (16-byte aligned rows: see the launch)
         q_first = tl.multiple_of(q_first, NQ)
     v0, v1, v2, v3 = _load_quads(w_ptr, rn, stride_wn, q_first, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
-    # Tiles 2 and 3 of the split, when PRE asks for them before the wait (M1_PRELOAD; the host keeps PRE within
-    # the split's tiles); otherwise the loop carries copies of the first that it never reads.
-    if PRE >= 2:
-        b0, b1, b2, b3 = _load_quads(w_ptr, rn, stride_wn, q_first + NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
-    else:
-        b0, b1, b2, b3 = v0, v1, v2, v3
-    if PRE >= 3:
-        c0, c1, c2, c3 = _load_quads(w_ptr, rn, stride_wn, q_first + 2 * NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
-    else:
-        c0, c1, c2, c3 = v0, v1, v2, v3
     if EARLY:  # where it measured faster (early_scales)
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    prefetch_ahead(w_ptr, rn, N, stride_wn, 4 * (q_first + PRE * NQ), 4 * q_end, AHEAD, 4 * NQ, 32)
+    prefetch_ahead(w_ptr, rn, N, stride_wn, 4 * (q_first + NQ), 4 * q_end, AHEAD, 4 * NQ, 32)
     wait_for_inputs(PDL)
     if EARLY and not QX:
         xs = tl.load(xs_ptr)
@@ -135,22 +122,9 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
     else:
         q_last = q_first + (q_end - 1 - q_first) // NQ * NQ
     for q0 in range(q_first, q_last, NQ):
-        if PRE == 1:  # the next tile: always inside the split (its last is peeled)
-            n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
-        elif q0 + PRE * NQ < q_end:  # the tile PRE ahead, if the split has one: unmasked loads must stay inside
-            n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + PRE * NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
-        else:
-            n0, n1, n2, n3 = v0, v1, v2, v3
+        n0, n1, n2, n3 = _load_quads(w_ptr, rn, stride_wn, q0 + NQ, nmask, q_end, BN, NQ, WHOLE, EVEN_N)
         acc = _quads_acc(acc, v0, v1, v2, v3, q0, q_end, xh_ptr, NQ, INTERPRET, V4)
-        if PRE == 1:
-            v0, v1, v2, v3 = n0, n1, n2, n3
-        elif PRE == 2:
-            v0, v1, v2, v3 = b0, b1, b2, b3
-            b0, b1, b2, b3 = n0, n1, n2, n3
-        else:
-            v0, v1, v2, v3 = b0, b1, b2, b3
-            b0, b1, b2, b3 = c0, c1, c2, c3
-            c0, c1, c2, c3 = n0, n1, n2, n3
+        v0, v1, v2, v3 = n0, n1, n2, n3
     acc = _quads_acc(acc, v0, v1, v2, v3, q_last, q_end, xh_ptr, NQ, INTERPRET, V4)
     if not EARLY:
         if not QX:
@@ -186,8 +160,6 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
         x_half = x_q.to(torch.float16) * 0.00390625
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     whole = k % block_k == 0  # every split is whole K-tiles (launch_plan): no K mask, 16-byte loads
-    # never more tiles than the shortest split (the last) has: with whole tiles and even rows its loads are unmasked
-    pre = max(1, min(M1_PRELOAD, (k - (grid[1] - 1) * k_per) // block_k))
     _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(), w_q.view(torch.int32),
                               w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per,
                               x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
@@ -198,7 +170,7 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                               EVEN_N=n % block_n == 0, QX=qx,
                               NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
                               BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
-                              AHEAD=l2_ahead(interp, k_per // block_k - pre, M1_L2_AHEAD), PRE=pre, launch_pdl=pdl)
+                              AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD), launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

@@ -35,10 +35,6 @@ from .silu_mul_quant import silu_mul_values
 from .splitk import (Partials, launch_plan, partials_view, pdl_flag, split_tile, store_or_reduce, store_row,
                      use_pdl, wait_for_inputs, whole_tile_mask)
 
-# K-tiles of its split that a batch-1 CTA loads into registers before its PDL wait (1-3, never more than the split
-# has); the loop then keeps that many in flight. Read at every launch.
-M1_PRELOAD = 1
-
 
 @triton.jit
 def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
@@ -112,8 +108,7 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                          PRE: tl.constexpr = 1):
+                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -128,8 +123,8 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
     separate silu_mul_quant launch between the two GEMVs goes away.
 
     Latency, not arithmetic, bounds the 4B's layer shapes (a CTA streams a few tiles only), so
-    the next tile's loads are issued before this one is computed, and the first PRE tiles' before
-    waiting on the kernel that wrote the activations (PRE 1-3; the loop keeps PRE tiles in flight)."""
+    the next tile's loads are issued before this one is computed, and the first tile's before
+    waiting on the kernel that wrote the activations."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
     b_first = k_start // 16
     if WHOLE:  # splits start on a whole K-tile: 16-byte weight loads (see _load_tile)
@@ -137,25 +132,13 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
     b_end = k_end // 16
     v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
                            INTERPRET, WHOLE)
-    # Tiles 2 and 3 of the split, when PRE asks for them before the wait (masked off past the split's end);
-    # otherwise the loop carries copies of the first that it never reads.
-    if PRE >= 2:
-        v0b, v1b, sb = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first + NB, b_end, BN,
-                                  NB, INTERPRET, WHOLE)
-    else:
-        v0b, v1b, sb = v0, v1, s
-    if PRE >= 3:
-        v0c, v1c, sc = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first + 2 * NB, b_end,
-                                  BN, NB, INTERPRET, WHOLE)
-    else:
-        v0c, v1c, sc = v0, v1, s
     gs = tl.load(gs_ptr)  # here, not after the loop: mixed batch 1 on an H200 1.643 -> 1.635 ms (session 23)
     wait_for_inputs(PDL)
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for b0 in range(b_first, b_end, NB):
-        n0, n1, ns = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0 + PRE * NB, b_end, BN,
-                                NB, INTERPRET, WHOLE)  # PRE tiles ahead (masked off past the last)
+        n0, n1, ns = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0 + NB, b_end, BN, NB,
+                                INTERPRET, WHOLE)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
         if V4:  # whole tiles, 16-byte aligned pairs, GPU: each block's eight words in two 16-byte loads
@@ -171,15 +154,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
             acc += part * (e4m3_value(s) * xs[None, :])
         else:
             acc += part * (s.to(tl.float32) * xs[None, :])
-        if PRE == 1:
-            v0, v1, s = n0, n1, ns
-        elif PRE == 2:
-            v0, v1, s = v0b, v1b, sb
-            v0b, v1b, sb = n0, n1, ns
-        else:
-            v0, v1, s = v0b, v1b, sb
-            v0b, v1b, sb = v0c, v1c, sc
-            v0c, v1c, sc = n0, n1, ns
+        v0, v1, s = n0, n1, ns
     # w = E2M1 · s / global; the sums hold E2M1 · 2^-14 · x · 2^(14 - e), times 2^e above.
     y = tl.sum(acc, 1) / gs
     if SILU:  # SPLIT_K == 1, BN a multiple of 32 (gemv_nvfp4_silu): rows [16 gate, 16 up] per block
@@ -280,7 +255,7 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                                 NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                                 INTERPRET=interp, PTX=ptx and not interp, PDL=pdl_flag(pdl), SILU=silu_out is not None,
                                 PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-                                PRE=max(1, min(M1_PRELOAD, k_per // block_k)), launch_pdl=pdl)
+                                launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 

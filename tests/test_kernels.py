@@ -99,6 +99,27 @@ def test_gemv_fp8_m1_rule_tiles(n, k):
         assert torch.equal(gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, 200), **qx_tile), same_tile)
 
 
+@pytest.mark.parametrize("n,k", [(12352, 2560), (2560, 4096), (2560, 9216)])
+def test_gemv_nvfp4_m1_rule_tiles(n, k):
+    """The batch-1 tile tiles.m1_tile gives each of the 4B's NVFP4 shapes (down_proj: 8 rows on 2 warps, K in
+    3 splits) computes the product on 200 of the shape's rows at its full K (ragged last row tile), reduced in
+    the kernel and as the partials add_rmsnorm sums."""
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
+    from ocriaquant.runtime.kernels.tiles import m1_tile
+
+    torch.manual_seed(n + k + 1)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    packed, scales, gs = nvfp4.quantize_weight(torch.randn(200, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
+    ref = gemv_nvfp4_ref(x, packed, scales, gs)
+    tile = m1_tile("nvfp4", n, k)
+    out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, 200), path="fma", **tile)
+    assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
+    if tile.get("split_k", 1) > 1:
+        parts = gemv_nvfp4(x, packed, scales, gs, path="fma", partials=True, **tile).parts
+        assert parts.shape[0] == tile["split_k"] and rel(parts.double().sum(0), ref) <= 1e-2
+
+
 @pytest.mark.parametrize("n,k,split,parts", [(48, 512, None, 1), (40, 768, 2, 3), (40, 640, 2, 16), (64, 1024, 4, 4)])
 def test_gemv_fp8_quantizing_equals_quant_then_gemv(n, k, split, parts):
     """Batch 1, the bf16 row quantized inside the GEMV from its absmax in parts: bit for bit the

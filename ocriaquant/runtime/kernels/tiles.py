@@ -46,7 +46,11 @@ rules so that the fused shapes in between (q/k/v, the four GDN input projections
   8 × 1024 unsplit 8.38 µs against 7.83; NVFP4 4 × 1024 10.1 against 7.25). The same session's
   batch-1 sweep (bench_kernels --only m1) moved the NVFP4 down_proj from 128 × 512 split 8
   (launched as 6) to 32 × 1024 on 8 warps split 3: 7.25 -> 7.14 µs alone, mixed batch 1
-  1.644 -> 1.632 ms in a 4-round ab_step (faster in every round).
+  1.644 -> 1.632 ms in a 4-round ab_step (faster in every round). Session 27 swept it inside the step again
+  (mixed batch 1, 4 rounds a run): 8 × 1024 on 2 warps, split 3 (960 CTAs of 64 threads) took it from 1.623-1.625
+  to 1.604-1.605 ms in three runs, faster in every round; 16 × 1024 on 4 warps 1.608-1.611; 32 × 1024 on 4, 64 × 512
+  split 6 on 8 or 4, 16 × 512 split 6, 4 × 1024 on 1-2 warps, 8 × 1024 on 1 warp or split 9 equal or slower. Alone
+  the 8-warp tile had been the faster (BENCHMARKS.md, session 27).
 
 Above batch 1 FP8 runs on the tensor cores, gemv_dot's swapped form (dot_tile): 64 weight rows
 a CTA on one warpgroup, unsplit where K = 2560 (K-steps of 256 on 3 stages up to batch 32, of 128
@@ -92,8 +96,8 @@ def m1_tile(kind: str, n: int, k: int) -> dict:
         if wide_k and k >= 8192 and fp8:
             # split 8 asked; launch_plan rounds a split to whole K-tiles: 9216 / 8 -> 1536, 6 splits
             return dict(block_n=64, block_k=512, split_k=8, num_warps=8)
-        if wide_k and k >= 8192:  # NVFP4 down_proj: 1024-wide K-steps, 3 splits (3 partials for the norm)
-            return dict(block_n=32, block_k=1024, split_k=3, num_warps=8)
+        if wide_k and k >= 8192:  # NVFP4 down_proj: 1024-wide K-steps, 3 splits (3 partials for the norm), small CTAs
+            return dict(block_n=8, block_k=1024, split_k=3, num_warps=2)
         if wide_k and kind == "fp8_qx":  # out_proj / o_proj quantizing their input (gemv_fp8_quantizing)
             return dict(block_n=128, block_k=256, split_k=8, num_warps=8)
         if wide_k:  # out_proj / o_proj fed ready activations: each CTA's rows whole in one K-tile

@@ -12,7 +12,7 @@ is timed under each variant in turn, round after round.
 A variant is a name and settings: `<module>.<NAME>=<value>` sets a constant of a module under
 ocriaquant.runtime (the launchers read theirs at every launch), `env:<NAME>=<value>` an
 environment variable (OCRIAQUANT_PDL, the tile overrides of kernels/tiles.py), and
-`skip:<launcher>` (add_rmsnorm, qk_norm_rope, gdn_decode, attn_decode or attn_decode_fused) times the step as if
+`skip:<launcher>` (add_rmsnorm, qk_norm_rope, gdn_decode or attn_decode) times the step as if
 that kernel cost nothing: each call site runs it once, in the warm-up before capture, and then
 gets those outputs back with no launch. Its outputs go stale, so a skip variant only times: it
 bounds what fusing the kernel away could buy. `code:<launcher>=<file>` runs the launcher of that
@@ -49,7 +49,7 @@ from ocriaquant.errors import OcriaError
 
 # The launchers a skip: setting can stand in for, each with the position of an argument that is its
 # call site's own tensor (a layer's norm weight, A_log, KV cache): what tells the call sites apart.
-SKIPPABLE = {"add_rmsnorm": 2, "qk_norm_rope": 3, "gdn_decode": 6, "attn_decode": 1, "attn_decode_fused": 8}
+SKIPPABLE = {"add_rmsnorm": 2, "qk_norm_rope": 3, "gdn_decode": 6, "attn_decode": 1}
 
 
 def skipped(real, site: int):

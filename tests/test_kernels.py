@@ -588,47 +588,6 @@ def test_qk_norm_rope_equals_torch_ops(heads, kvh, hd, rot):
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
-@pytest.mark.parametrize("heads,kvh,hd,rot", [(4, 2, 32, 8), (16, 4, 256, 64)])
-def test_attn_decode_fused_matches_the_two_launches(heads, kvh, hd, rot):
-    """attn_decode_fused (qk norm + RoPE + cache write + split attention + merge + gate in one
-    launch, batch 1) writes the cache exactly as qk_norm_rope's torch ops do, and its output is
-    the float64 softmax over the visible prefix, gated: rows at length 0, inside the first chunk,
-    on a chunk's last position and at max_len - 1, each alone as the runtime runs it; every output
-    written; the same again when replayed (the tickets reset themselves)."""
-    from ocriaquant.runtime.kernels import attn_decode_fused, attn_decode_ref, qk_norm_rope_ref
-
-    torch.manual_seed(heads + hd + rot)
-    max_len, chunk = 70, 16
-    fused = torch.randn(4, heads * 2 * hd + 2 * kvh * hd, dtype=torch.bfloat16, device=DEV) * 2
-    qg, k, v = fused.split([heads * 2 * hd, kvh * hd, kvh * hd], dim=-1)
-    qg = qg.reshape(4, heads, 2 * hd)
-    qw, kw = (torch.randn(hd, dtype=torch.bfloat16, device=DEV) * 0.1 for _ in range(2))
-    ang = torch.randn(4, rot // 2, device=DEV) * 3
-    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
-    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
-    slots = torch.tensor([2, 0, 4, 1], dtype=torch.int32, device=DEV)
-    lengths = torch.tensor([0, 9, 2 * chunk - 1, max_len - 1], dtype=torch.int32, device=DEV)
-    caches = [torch.randn(5, kvh, max_len, hd, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
-    ref_caches = [c.clone() for c in caches]
-    q_ref = qk_norm_rope_ref(qg[:, :, :hd], k, v, qw, kw, 1e-6, cos, sin, *ref_caches, slots, lengths)
-    want = attn_decode_ref(q_ref, *ref_caches, slots, lengths, hd**-0.5, gate=qg[:, :, hd:])
-    for i in range(4):
-        one = slice(i, i + 1)
-        out = torch.full((1, heads, hd), float("nan"), dtype=torch.bfloat16, device=DEV)
-        args = (qg[one], k[one], v[one], qw, kw, 1e-6, cos[one], sin[one], *caches, slots[one], lengths[one],
-                hd**-0.5)
-        got, (amax,) = attn_decode_fused(*args, quant="amax", chunk=chunk, out=out)
-        assert got is out and not out.isnan().any()
-        assert rel(got, want[one]) <= 1e-2, i
-        assert torch.equal(amax, got.float().abs().amax(-1))
-        again = attn_decode_fused(*args, chunk=chunk)
-        assert torch.equal(again, got), i
-    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
-    with pytest.raises(ValueError, match="quant"):
-        attn_decode_fused(qg[:1], k[:1], v[:1], qw, kw, 1e-6, cos[:1], sin[:1], *caches, slots[:1], lengths[:1],
-                          hd**-0.5, quant="fp8")
-
-
 @pytest.mark.parametrize("shape", ["tiny", "qwen3.5-4b"])
 def test_step_inputs_equal_the_torch_ops(shape):
     """The embedding rows, cos / sin gathered from the rope tables, and the int32 ids equal, bit

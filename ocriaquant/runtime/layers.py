@@ -519,25 +519,20 @@ class Attention(nn.Module):
         GatedDeltaNet.decode, for o_proj). The torch path
         gathers only the prefix any row can see (step.span); the triton path reads the cache in
         place (attn_decode), with no host sync, so the step can be a CUDA graph."""
-        if self.triton:  # kernels from q/k/v to the gated output: qk_norm_rope + attn_decode, or attn_decode_fused
-            from .kernels import attn_decode, attn_decode_fused, fused_at, qk_norm_rope
+        if self.triton:  # two kernels from q/k/v to the gated output (qk_norm_rope, attn_decode)
+            from .kernels import attn_decode, qk_norm_rope
 
             b, hd = x.shape[0], self.head_dim
             qg, k, v = self.qkv_proj(x, x_q) if self.qkv_proj is not None else (
                 self.q_proj(x, x_q), self.k_proj(x, x_q), self.v_proj(x, x_q))
             qg = qg.reshape(b, -1, 2 * hd)  # per head: q, then its output gate
+            q = qk_norm_rope(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
+                             step.sin, state["k"], state["v"], step.slots32, step.lengths32)
             # An FP8 o_proj's input: above batch 1 quantized in the merge launch, at batch 1 quantized
             # inside o_proj's GEMV from the absmax parts the merge writes (as gdn_decode does)
             quant = self.o_proj.producer_quant(x)
-            if fused_at(b, quant):
-                o = attn_decode_fused(qg, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
-                                      step.sin, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5,
-                                      quant=quant)
-            else:
-                q = qk_norm_rope(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                 step.cos, step.sin, state["k"], state["v"], step.slots32, step.lengths32)
-                o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5,
-                                gate=qg[:, :, hd:], quant=quant)
+            o = attn_decode(q, state["k"], state["v"], step.slots32, step.lengths32, hd ** -0.5, gate=qg[:, :, hd:],
+                            quant=quant)
             o, o_q = (o, None) if quant is None else o
             return self.o_proj(o.reshape(b, -1), o_q, partials)
         q, k, v, gate = self._qkv(x[:, None], step.cos[:, None], step.sin[:, None])  # q [B, heads, 1, hd]

@@ -27,9 +27,8 @@ import triton
 import triton.language as tl
 
 from .gemv_fp8 import quant_fp8_row_when_last
-from .qk_norm_rope import norm_rope_rows
 from .rounding import round_bf16
-from .splitk import prefetch_l2, start_after_producer, use_pdl, workspace
+from .splitk import start_after_producer, use_pdl, workspace
 
 CHUNK = 256  # positions per program above batch 1 (CHUNK_B1 below)
 CHUNK_WARPS = 4  # warps per chunk program
@@ -42,27 +41,33 @@ MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 t
 # equal at context 512 (1.707) and slower at 4096 (1.737 against 1.711).
 CHUNK_B1 = 128
 MERGE_WARPS_B1 = 4  # MERGE_WARPS at batch 1 (8: equal at CHUNK_B1 128)
-# At batch 1 attention is one launch, attn_decode_fused, in place of qk_norm_rope + chunks + merge (fused_at).
-FUSED_B1 = 1
-FUSED_CHUNK_B1 = 128  # attn_decode_fused's positions per program
-MERGE_SPLITS = 8  # chunks attn_decode_fused's merge reads at a time, for all of a KV group's heads
-# attn_decode_fused's keys a step and warps. Compiled for sm_90 (Triton 3.9) at the 4B's head dim 256: 64 keys on 4
-# warps spill (255 registers, 480-byte stack; the chunk kernel alone spills too, 296 bytes), 32 keys do not (254).
-FUSED_KEY_TILE = 32
-FUSED_WARPS = 4
-FUSED_PREFETCH = 1  # ask L2 for the chunk's cached keys and values before the PDL wait
 
 
 @triton.jit
-def _chunk_softmax(q, k_ptr, v_ptr, base, start, end, c_stride_t, scale, GP: tl.constexpr, HD: tl.constexpr,
-                   BT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Queries q [GP, HD] over cache positions start … end-1 at base (one slot's KV head): the
-    chunk's running max, sum and weighted values, fp32 ([GP], [GP], [GP, HD])."""
-    rt = tl.arange(0, BT)
+def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qh,
+                       c_stride_slot, c_stride_h, c_stride_t, scale, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
+                       HD: tl.constexpr, BT: tl.constexpr, CHUNK_: tl.constexpr, INTERPRET: tl.constexpr,
+                       PDL: tl.constexpr):
+    start_after_producer(PDL)  # q and the new token's k/v come from qk_norm_rope
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    last = tl.load(len_ptr + b)
+    rg = tl.arange(0, GP)
     rd = tl.arange(0, HD)
+    rt = tl.arange(0, BT)
+    gmask = rg < G
+    q = tl.load(q_ptr + b * stride_qb + (kvh * G + rg)[:, None] * stride_qh + rd[None, :], mask=gmask[:, None],
+                other=0.0)
+    if INTERPRET:  # the interpreter's tl.dot is only trusted in fp32 (rounding.py)
+        q = q.to(tl.float32)
+    base = slot * c_stride_slot + kvh * c_stride_h
     m_i = tl.full((GP,), float("-inf"), tl.float32)
     l_i = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, HD), tl.float32)
+    start = sp * CHUNK_
+    end = tl.minimum(start + CHUNK_, last + 1)
     for t0 in range(start, end, BT):
         t = t0 + rt
         tmask = t < end
@@ -83,73 +88,6 @@ def _chunk_softmax(q, k_ptr, v_ptr, base, start, end, c_stride_t, scale, GP: tl.
         else:  # P in the cache dtype for the tensor cores, as flash attention does
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _merge_heads(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, qs_ptr, b, h0, n, NSPLIT, HEADS, stride_ob, stride_oh,
-                 stride_gb, stride_gh, G, HD: tl.constexpr, GM: tl.constexpr, SB: tl.constexpr, GATED: tl.constexpr,
-                 AMAX: tl.constexpr):
-    """Heads h0 … h0+G-1 of row b (GM ≥ G, a power of two) from their first n chunks' partials:
-    the softmax-weighted sum, times sigmoid(gate) (GATED), stored in out's dtype; AMAX: each
-    head's max |out| at qs[b, h]. SB chunks at a time, merged online (a running max, as flash
-    attention does): with SB ≥ n one pass, every load in one round trip. The partials are read
-    from L2 (.cg): in attn_decode_fused other programs of the grid wrote them."""
-    rh = tl.arange(0, GM)
-    rd = tl.arange(0, HD)
-    hmask = rh < G
-    if GATED:  # issued first, to share the partials' round trip
-        gate = tl.load(g_ptr + b * stride_gb + (h0 + rh)[:, None] * stride_gh + rd[None, :], mask=hmask[:, None],
-                       other=0.0).to(tl.float32)
-    base = (b * HEADS + h0 + rh) * NSPLIT
-    m_run = tl.full((GM,), float("-inf"), tl.float32)
-    l_run = tl.zeros((GM,), tl.float32)
-    o = tl.zeros((GM, HD), tl.float32)
-    for s0 in range(0, n, SB):
-        rb = s0 + tl.arange(0, SB)
-        msk = hmask[:, None] & (rb < n)[None, :]
-        idx = base[:, None] + rb[None, :]
-        m = tl.load(pm_ptr + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
-        lp = tl.load(pl_ptr + idx, mask=msk, other=0.0, cache_modifier=".cg")
-        op = tl.load(po_ptr + idx[:, :, None] * HD + rd[None, None, :], mask=msk[:, :, None], other=0.0,
-                     cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m, 1))  # finite: chunk 0, in the first pass, holds position 0
-        alpha = tl.exp(m_run - m_new)
-        w = tl.where(m > float("-inf"), tl.exp(m - m_new[:, None]), 0.0)
-        l_run = l_run * alpha + tl.sum(w * lp, 1)
-        o = o * alpha[:, None] + tl.sum(op * w[:, :, None], 1)
-        m_run = m_new
-    o = o / l_run[:, None]
-    if GATED:  # Qwen3.5's output gate, o · sigmoid(gate), each rounded to bf16 as torch does
-        o = round_bf16(round_bf16(o) * round_bf16(1.0 / (1.0 + tl.exp(-gate))))
-    o = o.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + b * stride_ob + (h0 + rh)[:, None] * stride_oh + rd[None, :], o, mask=hmask[:, None])
-    if AMAX:  # each head's part of the row's absmax (gemv_fp8_quantizing), of the values as stored
-        tl.store(qs_ptr + b * HEADS + h0 + rh, tl.max(tl.abs(o.to(tl.float32)), 1), mask=hmask)
-
-
-@triton.jit
-def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qh,
-                       c_stride_slot, c_stride_h, c_stride_t, scale, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
-                       HD: tl.constexpr, BT: tl.constexpr, CHUNK_: tl.constexpr, INTERPRET: tl.constexpr,
-                       PDL: tl.constexpr):
-    start_after_producer(PDL)  # q and the new token's k/v come from qk_norm_rope
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    last = tl.load(len_ptr + b)
-    rg = tl.arange(0, GP)
-    rd = tl.arange(0, HD)
-    gmask = rg < G
-    q = tl.load(q_ptr + b * stride_qb + (kvh * G + rg)[:, None] * stride_qh + rd[None, :], mask=gmask[:, None],
-                other=0.0)
-    if INTERPRET:  # the interpreter's tl.dot is only trusted in fp32 (rounding.py)
-        q = q.to(tl.float32)
-    base = slot * c_stride_slot + kvh * c_stride_h
-    start = sp * CHUNK_
-    m_i, l_i, acc = _chunk_softmax(q, k_ptr, v_ptr, base, start, tl.minimum(start + CHUNK_, last + 1), c_stride_t,
-                                   scale, GP, HD, BT, INTERPRET)
     pidx = (b * tl.num_programs(1) * G + kvh * G + rg) * NSPLIT + sp  # partials are [B, heads, NSPLIT]
     tl.store(pm_ptr + pidx, m_i, mask=gmask)
     tl.store(pl_ptr + pidx, l_i, mask=gmask)
@@ -163,83 +101,26 @@ def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, q8_ptr, qs_ptr, t
     start_after_producer(PDL)  # the next GEMV streams weights; this waits for its own inputs
     b = tl.program_id(0)
     h = tl.program_id(1)
-    _merge_heads(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, qs_ptr, b, h, NSPLIT, NSPLIT, HEADS, stride_ob, stride_oh,
-                 stride_gb, stride_gh, 1, HD, 1, SP, GATED, QUANT == 2)
+    rs = tl.arange(0, SP)
+    rd = tl.arange(0, HD)
+    base = (b * HEADS + h) * NSPLIT
+    smask = rs < NSPLIT
+    m = tl.load(pm_ptr + base + rs, mask=smask, other=float("-inf"))
+    mx = tl.max(m, 0)  # chunk 0 always holds position 0, so mx is finite
+    w = tl.where(smask & (m > float("-inf")), tl.exp(m - mx), 0.0)
+    l = tl.sum(w * tl.load(pl_ptr + base + rs, mask=smask, other=0.0), 0)
+    o = tl.load(po_ptr + (base + rs)[:, None] * HD + rd[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / l
+    if GATED:  # Qwen3.5's output gate, o · sigmoid(gate), each rounded to bf16 as torch does
+        g = tl.load(g_ptr + b * stride_gb + h * stride_gh + rd).to(tl.float32)
+        o = round_bf16(round_bf16(o) * round_bf16(1.0 / (1.0 + tl.exp(-g))))
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + rd, o)
+    if QUANT == 2:  # this head's part of the row's absmax (gemv_fp8_quantizing), of the values as stored
+        tl.store(qs_ptr + b * HEADS + h, tl.max(tl.abs(o.to(tl.float32)), 0))
     if QUANT == 1:  # the row's last head quantizes the row
         quant_fp8_row_when_last(tick_ptr + b, HEADS, out_ptr + b * stride_ob, q8_ptr + b * HEADS * HD, qs_ptr + b,
                                 qs_ptr, HEADS * HD, QB, False)
-
-
-@triton.jit
-def _attn_fused_kernel(qg_ptr, kn_ptr, vn_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, len_ptr,
-                       po_ptr, pm_ptr, pl_ptr, tick_ptr, out_ptr, qs_ptr, stride_qb, stride_qh, stride_kb, stride_vb,
-                       stride_cb, c_stride_slot, c_stride_h, c_stride_t, stride_ob, stride_oh, scale, eps, NSPLIT,
-                       HEADS, ROT, G: tl.constexpr, GP: tl.constexpr, GM: tl.constexpr, HD: tl.constexpr,
-                       BT: tl.constexpr, CHUNK_: tl.constexpr, MERGE_SPLITS: tl.constexpr, LINE: tl.constexpr,
-                       AMAX: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, KV head, chunk) of attn_decode_fused. Chunks past the row's length exit at
-    once; the rest ask L2 for their cached keys and values before the PDL wait (positions before
-    the new token are from earlier steps, and the slot and length from step_inputs, long done),
-    norm and rotate their G query heads themselves, and the chunk holding the new token makes
-    its k (normed, rotated) and v, writes them to the cache and scores them from registers. The
-    last chunk of a (row, KV head) to finish, by an acq_rel ticket as in splitk.store_or_reduce,
-    merges the G heads."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    last = tl.load(len_ptr + b)
-    live = last // CHUNK_ + 1  # chunks holding a visible position
-    if sp < live:
-        base = slot * c_stride_slot + kvh * c_stride_h
-        start = sp * CHUNK_
-        end = tl.minimum(start + CHUNK_, last + 1)
-        if PREFETCH:  # one request per 128-byte line of the chunk's rows, clamped inside the chunk
-            t = tl.minimum(start + tl.arange(0, CHUNK_), end - 1)
-            lines = base + t[:, None] * c_stride_t + (tl.arange(0, (HD + LINE - 1) // LINE) * LINE)[None, :]
-            prefetch_l2(k_ptr + lines)
-            prefetch_l2(v_ptr + lines)
-        start_after_producer(PDL)  # q, k, v come from the qkv GEMV
-        rg = tl.arange(0, GP)
-        rd = tl.arange(0, HD)
-        gmask = rg < G
-        cos = cos_ptr + b * stride_cb
-        sin = sin_ptr + b * stride_cb
-        q = norm_rope_rows(qg_ptr + b * stride_qb + (kvh * G + rg) * stride_qh, gmask, qw_ptr, cos, sin, eps, HD, ROT,
-                           HD)
-        # the new token's k (normed, rotated) and v, in the same round trip as q: the chunk holding it writes
-        # them to the cache and scores them from registers (every program loads them: 1 KB, no branch to join)
-        one = tl.arange(0, 1)
-        kn = norm_rope_rows(kn_ptr + b * stride_kb + kvh * HD + one, one < 1, kw_ptr, cos, sin, eps, HD, ROT, HD)
-        vn = tl.load(vn_ptr + b * stride_vb + kvh * HD + rd)
-        newest = sp == live - 1
-        if newest:
-            dst = base + last.to(tl.int64) * c_stride_t + rd
-            tl.store(k_ptr + dst[None, :], kn.to(k_ptr.dtype.element_ty))
-            tl.store(v_ptr + dst, vn)
-            end = last  # the loop reads the positions before it
-        s_new = tl.sum(q * kn, 1) * scale  # the new token's scores, here: q's fp32 copy need not outlive the loop
-        if not INTERPRET:  # the interpreter's tl.dot is only trusted in fp32 (rounding.py); q's values are bf16
-            q = q.to(k_ptr.dtype.element_ty)
-        m_i, l_i, acc = _chunk_softmax(q, k_ptr, v_ptr, base, start, end, c_stride_t, scale, GP, HD, BT, INTERPRET)
-        if newest:  # and the new token from registers: no store and read-back through the cache on this path
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp(m_i - m_new)
-            p_new = tl.exp(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
-            m_i = m_new
-        pidx = (b * HEADS + kvh * G + rg) * NSPLIT + sp  # partials are [B, heads, NSPLIT]
-        tl.store(pm_ptr + pidx, m_i, mask=gmask)
-        tl.store(pl_ptr + pidx, l_i, mask=gmask)
-        tl.store(po_ptr + pidx[:, None] * HD + rd[None, :], acc, mask=gmask[:, None])
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tick_ptr + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if ticket == live - 1:  # the group's heads at once: one round trip for all their partials
-            _merge_heads(po_ptr, pm_ptr, pl_ptr, out_ptr, qg_ptr + HD, qs_ptr, b, kvh * G, live, NSPLIT, HEADS,
-                         stride_ob, stride_oh, stride_qb, stride_qh, G, HD, GM, MERGE_SPLITS, True, AMAX)
-            tl.atomic_xchg(tick_ptr + b * tl.num_programs(1) + kvh, 0)
 
 
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -293,59 +174,6 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     if quant == "amax":  # a 1-tuple, like the other forms a Linear's x_q takes
         return out, (qs,)
     return out if quant is None else (out, (q8, qs))
-
-
-def fused_at(batch: int, quant: str | None) -> bool:
-    """Whether Attention.decode runs attn_decode_fused (one launch) rather than qk_norm_rope and
-    attn_decode (three): at batch 1, unless the row must be quantized whole (quant="fp8"). Read
-    at every call, so scripts/ab_step.py can switch FUSED_B1."""
-    return bool(FUSED_B1) and batch == 1 and quant != "fp8"
-
-
-def attn_decode_fused(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                      k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                      scale: float, quant: str | None = None, chunk: int | None = None,
-                      out: torch.Tensor | None = None):
-    """qk_norm_rope, then attn_decode with the output gate, in one launch: qg [B, heads, 2·hd]
-    (per head its q, then its gate: q_proj's output), k, v [B, KV heads · hd] (row strides free),
-    the rest as those two take them. Writes the new k and v into the cache and returns
-    out [B, heads, hd], or with quant="amax" (out, (fp32 [B, heads],)) as attn_decode does.
-    chunk: positions per program (default FUSED_CHUNK_B1); out: where to write (contiguous)."""
-    bsz, heads, hd2 = qg.shape
-    hd = hd2 // 2
-    _, kvh, max_len, hd_c = k_cache.shape
-    rot = cos.shape[-1]
-    if (hd_c != hd or heads % kvh or qg.stride(2) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-            or k.shape[-1] != kvh * hd or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride()
-            or rot > hd or rot % 2 or cos.stride(-1) != 1 or cos.stride() != sin.stride()):
-        raise ValueError(f"attn_decode_fused: qg {tuple(qg.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do "
-                         f"not fit the cache {tuple(k_cache.shape)}")
-    if quant not in (None, "amax"):
-        raise ValueError(f"attn_decode_fused: quant must be None or 'amax', got {quant!r}")
-    chunk = chunk or FUSED_CHUNK_B1
-    nsplit = triton.cdiv(max_len, chunk)
-    dev = qg.device
-    po = torch.empty(bsz, heads, nsplit, hd, dtype=torch.float32, device=dev)
-    pm = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
-    pl = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
-    _, tick = workspace(dev, (1,), bsz * kvh, owner="attn_fused")
-    out = torch.empty(bsz, heads, hd, dtype=qg.dtype, device=dev) if out is None else out
-    if out.shape != (bsz, heads, hd) or not out.is_contiguous():
-        raise ValueError(f"attn_decode_fused: out must be contiguous [{bsz}, {heads}, {hd}], got {tuple(out.shape)}")
-    qs = torch.empty(bsz, heads, dtype=torch.float32, device=dev) if quant == "amax" else out
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    pdl = use_pdl(dev, None)
-    g = heads // kvh
-    _attn_fused_kernel[(bsz, kvh, nsplit)](
-        qg, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, slots, lengths, po, pm, pl, tick, out, qs,
-        qg.stride(0), qg.stride(1), k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), out.stride(1), scale, eps, nsplit, heads, rot, G=g,
-        GP=max(16, triton.next_power_of_2(g)), GM=triton.next_power_of_2(g), HD=hd, BT=32 if interp else FUSED_KEY_TILE,
-        CHUNK_=chunk, MERGE_SPLITS=min(MERGE_SPLITS, triton.next_power_of_2(nsplit)),
-        LINE=128 // k_cache.element_size(), AMAX=quant == "amax",
-        PREFETCH=bool(FUSED_PREFETCH) and not interp, INTERPRET=interp, num_warps=FUSED_WARPS, PDL=pdl, launch_pdl=pdl)
-    return (out, (qs,)) if quant == "amax" else out
 
 
 def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64, gate=None):

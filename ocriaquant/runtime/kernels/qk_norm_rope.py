@@ -25,31 +25,22 @@ WARPS = 2  # warps per (row, head) program
 
 
 @triton.jit
-def norm_rope_rows(rows, row_mask, w_ptr, cos_ptr, sin_ptr, eps, HD, ROT, BD: tl.constexpr):
-    """Heads starting at the pointers rows [R] (masked rows read as zeros): each one's zero-centred
-    RMSNorm (x / rms · (1 + w)), then rotate_half RoPE on [0, ROT); fp32 [R, BD] of bf16 values.
-    attn_decode_fused calls it on a KV group's query heads, this module's kernel on one head."""
+def _norm_rope(src, w_ptr, cos_ptr, sin_ptr, eps, HD, ROT, BD: tl.constexpr):
+    """One head: zero-centred RMSNorm (x / rms · (1 + w)), then rotate_half RoPE on [0, ROT)."""
     rd = tl.arange(0, BD)
     dmask = rd < HD
-    x = tl.load(rows[:, None] + rd[None, :], mask=row_mask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, 1) / HD + eps)[:, None]
-    n = round_bf16(x * r * (1.0 + tl.load(w_ptr + rd, mask=dmask, other=0.0).to(tl.float32))[None, :])
+    x = tl.load(src + rd, mask=dmask, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / HD + eps)
+    n = round_bf16(x * r * (1.0 + tl.load(w_ptr + rd, mask=dmask, other=0.0).to(tl.float32)))
     half = ROT // 2
     rmask = rd < ROT
     partner = tl.where(rd < half, rd + half, rd - half)  # rotate_half's source index
-    xp = tl.load(rows[:, None] + partner[None, :], mask=row_mask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-    np_ = round_bf16(xp * r * (1.0 + tl.load(w_ptr + partner, mask=rmask, other=0.0).to(tl.float32))[None, :])
-    c = tl.load(cos_ptr + rd, mask=rmask, other=1.0).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + rd, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    e = round_bf16(round_bf16(n * c) + round_bf16(tl.where((rd < half)[None, :], -np_, np_) * s))
-    return tl.where(rmask[None, :], e, n)
-
-
-@triton.jit
-def _norm_rope(src, w_ptr, cos_ptr, sin_ptr, eps, HD, ROT, BD: tl.constexpr):
-    """norm_rope_rows of the one head at src, as [BD]."""
-    one = tl.arange(0, 1)
-    return tl.reshape(norm_rope_rows(src + one, one < 1, w_ptr, cos_ptr, sin_ptr, eps, HD, ROT, BD), (BD,))
+    xp = tl.load(src + partner, mask=rmask, other=0.0).to(tl.float32)
+    np_ = round_bf16(xp * r * (1.0 + tl.load(w_ptr + partner, mask=rmask, other=0.0).to(tl.float32)))
+    c = tl.load(cos_ptr + rd, mask=rmask, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + rd, mask=rmask, other=0.0).to(tl.float32)
+    e = round_bf16(round_bf16(n * c) + round_bf16(tl.where(rd < half, -np_, np_) * s))
+    return tl.where(rmask, e, n)
 
 
 @triton.jit

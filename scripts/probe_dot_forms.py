@@ -13,7 +13,7 @@ through splitk.store_or_reduce) with these switches:
 - pf: the CTA's whole weight slice asked of L2 (prefetch.global.L2) before its PDL wait;
 - tiled: the weight re-laid [N/64, K/BK, 64, BK], each K-step of a CTA one contiguous 64·BK chunk;
 - pre_k: the split's first pre_k weights of each row loaded into registers before the wait;
-- pdl_mode: 2 lets the next kernel launch before the wait (splitk.pdl_flag's TRIGGER_FIRST order).
+- pdl_mode: 2 lets the next kernel launch before the wait (splitk.pdl_launch's trigger-first order).
 Sets: prefetch (wtma × pf × split × K-step / stages), tiled (tiled × wtma × split), prewait (pre_k ×
 pdl_mode), stages (deeper pipelines, 512-wide K-steps); intercept times the rule's tiles over K at
 N = 2560 (batch 1, 8, 64), the fixed cost and streaming rate of each path.

@@ -111,3 +111,47 @@ def test_named_plans_quantize_every_decoder_linear_once_in_their_formats():
     for n, fmt in formats["mixed"].items():
         assert fmt == ("nvfp4" if ".mlp." in n else "fp8"), n
     assert set(formats["fp8"].values()) == {"fp8"} and set(formats["nvfp4"].values()) == {"nvfp4"}
+
+
+def test_decode_speed_times_with_the_collector_off_and_gives_it_back():
+    """bench.decode_speed collects garbage before its timed steps and keeps Python's collector off
+    during them (as timeit does), then restores the collector's state, on or off, also on error."""
+    import gc
+
+    import pytest
+    import torch
+
+    from ocriaquant.bench import decode_speed
+
+    class Pending:
+        def get(self):
+            return None
+
+    class FakeRuntime:
+        device = torch.device("cpu")
+
+        def __init__(self, fail_at=None):
+            self.seen, self.fail_at = [], fail_at
+
+        def greedy_step(self, tokens, slots, lengths, deltas):
+            self.seen.append(gc.isenabled())
+            if self.fail_at is not None and len(self.seen) == self.fail_at:
+                raise RuntimeError("step failed")
+            return Pending()
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        rt = FakeRuntime()
+        assert decode_speed(rt, 1, 8, 5, 100) > 0
+        # the first call and three warm-up steps run with the collector on, the five timed ones without
+        assert rt.seen == [True] * 4 + [False] * 5 and gc.isenabled()
+        gc.disable()
+        decode_speed(FakeRuntime(), 1, 8, 2, 100)
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(RuntimeError, match="step failed"):
+            decode_speed(FakeRuntime(fail_at=6), 1, 8, 5, 100)
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

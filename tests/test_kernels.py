@@ -756,6 +756,22 @@ def test_pdl_only_on_the_gpu(monkeypatch):
     assert not use_pdl(cuda, None)
 
 
+def test_ctas_per_sm_counts_as_the_occupancy_calculator():
+    """pdl_launch lets a kernel release the next one before its own wait only when its grid is one
+    wave; the CTAs an SM holds are counted as NVIDIA's occupancy calculator does for compute
+    capability 9.0 (65,536 registers in 256-register units per warp, 2,048 threads, 32 CTAs,
+    233,472 bytes of shared memory with 1 KB reserved per CTA): worked by hand below."""
+    from ocriaquant.runtime.kernels.splitk import ctas_per_sm
+
+    assert ctas_per_sm(255, 4, 0) == 2     # 256 registers a thread: 8 warps an SM by registers
+    assert ctas_per_sm(128, 8, 0) == 2     # 4,096 registers a warp: 16 warps
+    assert ctas_per_sm(40, 2, 0) == 25     # 1,280 registers a warp (40 rounds to 40): 51 warps
+    assert ctas_per_sm(41, 2, 0) == 21     # 41 rounds to 48: 1,536 a warp, 42 warps
+    assert ctas_per_sm(16, 1, 0) == 32     # the CTA limit, before threads (64) and registers (128)
+    assert ctas_per_sm(32, 16, 0) == 4     # threads: 2,048 / 512
+    assert ctas_per_sm(32, 4, 51200) == 4  # shared memory: 233,472 / (51,200 + 1,024)
+
+
 def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
     """The tiles the batch-1 FP8 GEMV asks L2 for before its wait: what gemv_fp8.M1_L2_AHEAD asks, cut to the
     tiles its split has after the first and to a power of two (prefetch_ahead's line count), none under the
@@ -770,13 +786,13 @@ def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU "
                     "(test_pdl_only_on_the_gpu covers the CPU side)")
-@pytest.mark.parametrize("trigger_first", [0, 1])
+@pytest.mark.parametrize("trigger_first", [0, 1, 2])
 def test_gemv_pdl_in_graph(monkeypatch, trigger_first):
     """With PDL a GEMV starts while its producer runs and waits for it before reading x: in a
     CUDA graph behind add_rmsnorm (which releases it early) every format gives the same output
     as without PDL, replay after replay on changing inputs — also a GEMV that reads the one
     before it, and with the GEMVs releasing their own dependents before their wait
-    (splitk.TRIGGER_FIRST)."""
+    (splitk.TRIGGER_FIRST: when their grid is one wave, or always)."""
     from ocriaquant.quant import fp8, nvfp4
     from ocriaquant.runtime.kernels import add_rmsnorm, gemv_bf16, gemv_fp8, gemv_nvfp4, splitk
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .gemv_fp8 import quant_fp8_row_when_last
 from .rounding import round_bf16
-from .splitk import start_after_producer, use_pdl, workspace
+from .splitk import prefetch_l2, start_after_producer, use_pdl, workspace
 
 CHUNK = 256  # positions per program above batch 1 (CHUNK_B1 below)
 CHUNK_WARPS = 4  # warps per chunk program
@@ -41,19 +41,34 @@ MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 t
 # equal at context 512 (1.707) and slower at 4096 (1.737 against 1.711).
 CHUNK_B1 = 128
 MERGE_WARPS_B1 = 4  # MERGE_WARPS at batch 1 (8: equal at CHUNK_B1 128)
+# Whether a batch-1 chunk program asks L2 for its chunk's cached keys and values (one prefetch per 128-byte line)
+# before its PDL wait, while qk_norm_rope and the GEMV before it run: every position but the new token's is from
+# earlier steps, and the slot and length come from step_inputs, long finished. GPU only. Mixed plan's batch-1 step on
+# an H200: -0.004 ms alone, -0.008 ms beside splitk.TRIGGER_FIRST (BENCHMARKS.md, session 28); above batch 1 not timed.
+CHUNK_PREFETCH = 1
 
 
 @triton.jit
 def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qh,
                        c_stride_slot, c_stride_h, c_stride_t, scale, NSPLIT, G: tl.constexpr, GP: tl.constexpr,
                        HD: tl.constexpr, BT: tl.constexpr, CHUNK_: tl.constexpr, INTERPRET: tl.constexpr,
-                       PDL: tl.constexpr):
-    start_after_producer(PDL)  # q and the new token's k/v come from qk_norm_rope
+                       PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    last = tl.load(len_ptr + b)
+    if PREFETCH:  # the chunk's cached keys and values asked of L2 before the wait (see CHUNK_PREFETCH)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        last = tl.load(len_ptr + b)
+        if sp * CHUNK_ <= last:  # a chunk past the row's length reads nothing
+            t = tl.minimum(sp * CHUNK_ + tl.arange(0, CHUNK_), last)
+            lines = slot * c_stride_slot + kvh * c_stride_h + t[:, None] * c_stride_t + \
+                (tl.arange(0, (HD + LINE - 1) // LINE) * LINE)[None, :]
+            prefetch_l2(k_ptr + lines)
+            prefetch_l2(v_ptr + lines)
+    start_after_producer(PDL)  # q and the new token's k/v come from qk_norm_rope
+    if not PREFETCH:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        last = tl.load(len_ptr + b)
     rg = tl.arange(0, GP)
     rd = tl.arange(0, HD)
     rt = tl.arange(0, BT)
@@ -151,7 +166,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     _attn_chunk_kernel[(bsz, kvh, nsplit)](
         q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
-        BT=32 if interp else KEY_TILE, CHUNK_=chunk, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl)
+        BT=32 if interp else KEY_TILE, CHUNK_=chunk, INTERPRET=interp, num_warps=CHUNK_WARPS, PDL=pdl, launch_pdl=pdl,
+        PREFETCH=bool(CHUNK_PREFETCH) and bsz == 1 and not interp, LINE=128 // k_cache.element_size())
     out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=dev) if out is None else out
     if gate is not None and (gate.shape != q.shape or gate.stride(2) != 1):
         raise ValueError(f"attn_decode: gate {tuple(gate.shape)} must be shaped like q {tuple(q.shape)}, hd contiguous")

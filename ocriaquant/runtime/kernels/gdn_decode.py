@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .gemv_fp8 import quant_fp8_row_when_last
-from .splitk import pdl_flag, sm_count, use_pdl, wait_for_inputs, workspace
+from .splitk import pdl_launch, sm_count, use_pdl, wait_for_inputs, workspace
 
 
 MIN_V_ROWS = 16  # the smallest V-block _v_blocks makes (batch 1 at the 4B: 8 blocks of 16 rows, 256 programs)
@@ -277,15 +277,15 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     # 4 warps at every batch: bench_kernels.py's sweep (H200, session 8) found them fastest or tied
     # for each V-split; with a whole V row per program (B >= 32) 8 warps took 127 us at B = 64
     # against 91. Inside the decode step the two read the same within run-to-run spread.
-    _gdn_decode_kernel[(bsz * hv * triton.cdiv(V, bv),)](
-        qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
+    pdl_launch(
+        _gdn_decode_kernel, (bsz * hv * triton.cdiv(V, bv),), pdl, bsz, qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
         q8.view(torch.uint8) if quant == "fp8" else q8, qs, qh,
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
         GP=triton.next_power_of_2(hv // H), EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
         QB=min(4096, triton.next_power_of_2(hv * V)),
-        num_warps=num_warps or WARPS, PDL=pdl_flag(pdl), launch_pdl=pdl)
+        num_warps=num_warps or WARPS)
     if quant is None:
         return out
     if quant == "amax":  # a 1-tuple, like the other forms a Linear's x_q takes

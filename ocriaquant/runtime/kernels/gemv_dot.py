@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .splitk import launch_plan, pdl_flag, store_or_reduce, use_pdl, wait_for_inputs
+from .splitk import launch_plan, pdl_launch, store_or_reduce, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -123,12 +123,11 @@ def gemv_dot(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = No
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
     if swap:
         pdl = use_pdl(x.device, pdl)
-        _gemv_swap_kernel[grid](x, x_scale.reshape(-1).float() if scaled else x, w,
-                                w_scale.reshape(-1) if scaled else w, out, ws, tick, m, n, k, x.stride(0),
-                                w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1],
-                                SCALED=scaled, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                                EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, PDL=pdl_flag(pdl), STAGES=num_stages,
-                                num_warps=num_warps, launch_pdl=pdl)
+        pdl_launch(_gemv_swap_kernel, grid, pdl, m, x, x_scale.reshape(-1).float() if scaled else x, w,
+                   w_scale.reshape(-1) if scaled else w, out, ws, tick, m, n, k, x.stride(0),
+                   w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1],
+                   SCALED=scaled, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                   EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, STAGES=num_stages, num_warps=num_warps)
         return out
     _gemv_dot_kernel[grid](x, x_scale.reshape(-1).float() if scaled else x, w, w_scale.reshape(-1) if scaled else w,
                            out, ws, tick, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n,

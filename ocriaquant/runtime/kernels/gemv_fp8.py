@@ -19,7 +19,7 @@ from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
-from .splitk import (Partials, l2_ahead, launch_plan, partials_view, pdl_flag, prefetch_ahead, split_tile,
+from .splitk import (Partials, l2_ahead, launch_plan, partials_view, pdl_launch, prefetch_ahead, split_tile,
                      start_after_producer, store_row, use_pdl, wait_for_inputs, whole_tile_mask, workspace)
 from .tiles import dot_tile
 
@@ -160,17 +160,17 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
         x_half = x_q.to(torch.float16) * 0.00390625
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     whole = k % block_k == 0  # every split is whole K-tiles (launch_plan): no K mask, 16-byte loads
-    _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(), w_q.view(torch.int32),
-                              w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per,
-                              x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
-                              x_amax.numel() if qx else 0, BN=block_n,
-                              NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
-                              num_warps=num_warps, num_stages=num_stages, PDL=pdl_flag(pdl), PARTIALS=partials,
-                              WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
-                              EVEN_N=n % block_n == 0, QX=qx,
-                              NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
-                              BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
-                              AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD), launch_pdl=pdl)
+    pdl_launch(_gemv_fp8_m1_kernel, grid, pdl, 1, x_half.view(torch.int32), x_scale.reshape(-1).float(),
+               w_q.view(torch.int32), w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per,
+               x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
+               x_amax.numel() if qx else 0, BN=block_n,
+               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
+               num_warps=num_warps, num_stages=num_stages, PARTIALS=partials,
+               WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
+               EVEN_N=n % block_n == 0, QX=qx,
+               NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
+               BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
+               AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD))
     return partials_view(ws, grid[1], n) if partials else out
 
 

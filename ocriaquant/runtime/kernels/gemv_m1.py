@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import launch_plan, pdl_flag, split_tile, store_row, use_pdl, wait_for_inputs
+from .splitk import launch_plan, pdl_launch, split_tile, store_row, use_pdl, wait_for_inputs
 
 
 # The K loop's software pipeline depth. The loop used to issue the next tile's loads by hand, into
@@ -117,9 +117,8 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, 1 if silu else split_k, out)
     pdl = use_pdl(x.device, pdl)
     as_bytes = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
-    _gemv_m1_kernel[grid](x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
-                          w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
-                          BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
-                          INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                          PDL=pdl_flag(pdl), STAGES=M1_STAGES, launch_pdl=pdl)
+    pdl_launch(_gemv_m1_kernel, grid, pdl, 1, x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
+               w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
+               BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
+               INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps, STAGES=M1_STAGES)
     return out

@@ -32,7 +32,7 @@ import triton.language as tl
 from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, load_pairs_v4, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (Partials, launch_plan, partials_view, pdl_flag, split_tile, store_or_reduce, store_row,
+from .splitk import (Partials, launch_plan, partials_view, pdl_launch, split_tile, store_or_reduce, store_row,
                      use_pdl, wait_for_inputs, whole_tile_mask)
 
 
@@ -250,12 +250,11 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
     partials = partials and silu_out is None and grid[1] > 1
     whole = k % block_k == 0  # every split is whole K-tiles: no K mask needed
     hw, hs = silu_out if silu_out is not None else (out, out)
-    _gemv_nvfp4_m1_kernel[grid](xw, xs, words, scales.view(torch.uint8), scales, w_global_scale.reshape(1).float(),
-                                out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0), k_per, BN=block_n,
-                                NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
-                                INTERPRET=interp, PTX=ptx and not interp, PDL=pdl_flag(pdl), SILU=silu_out is not None,
-                                PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-                                launch_pdl=pdl)
+    pdl_launch(_gemv_nvfp4_m1_kernel, grid, pdl, 1, xw, xs, words, scales.view(torch.uint8), scales,
+               w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0),
+               k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
+               INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
+               PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp)
     return partials_view(ws, grid[1], n) if partials else out
 
 

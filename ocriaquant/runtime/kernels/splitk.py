@@ -10,6 +10,7 @@ graph), no separate reduction kernel.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -77,14 +78,22 @@ def use_pdl(device: torch.device, pdl: bool | None) -> bool:
         torch.cuda.get_device_capability(device)[0] >= 9
 
 
-# Whether the kernels that wait with wait_for_inputs (the GEMVs, gdn_decode) let the next kernel
-# launch before their own wait rather than after it. Either order is correct: a kernel's wait
+# When the kernels that wait with wait_for_inputs (the GEMVs, gdn_decode) let the next kernel launch
+# before their own wait rather than after it (pdl_launch). Either order is correct: a kernel's wait
 # returns only once the kernel before it has finished, which waited on the one before that, and
 # nothing before a wait reads what an unfinished kernel writes. Before: the next kernel's CTAs
 # (and their pre-wait weight loads) can start while this one still waits, so more than one
-# kernel's weights are in flight. Read at every launch (ab_step can switch it);
-# OCRIAQUANT_PDL_TRIGGER_FIRST=1 sets it at import.
-TRIGGER_FIRST = int(os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST", "0"))
+# kernel's weights are in flight — but those CTAs also take SM room, which a kernel whose grid
+# does not fit on the GPU at once needs for its later CTAs. 0: never before; 1: before, in a
+# batch-1 launch whose whole grid is resident at once (one wave, from its compiled registers, warps
+# and shared memory: one_wave); 2: always before. TRIGGER_FIRST_SKIP: kernels (names, comma-separated)
+# that always wait first. Read at every launch (ab_step can switch them); OCRIAQUANT_PDL_TRIGGER_FIRST
+# and OCRIAQUANT_PDL_TRIGGER_FIRST_SKIP set them at import.
+TRIGGER_FIRST = int(os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST", "1"))
+# The NVFP4 batch-1 GEMVs wait first: triggering first cost the nvfp4 plan's batch-1 step 2.080 -> 2.100 ms, and
+# the mixed plan nothing either way (H200, BENCHMARKS.md, session 28).
+TRIGGER_FIRST_SKIP = os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST_SKIP", "_gemv_nvfp4_m1_kernel")
+_ONE_WAVE: dict[tuple, bool] = {}
 
 
 @triton.jit
@@ -112,10 +121,42 @@ def l2_ahead(interpret: bool, tiles_after_first: int, ahead: int) -> int:
     return 1 << (a.bit_length() - 1) if a > 0 else 0
 
 
-def pdl_flag(pdl: bool) -> int:
-    """The PDL constexpr of a kernel that waits with wait_for_inputs: 0 no PDL, 1 wait then let
-    the next kernel launch, 2 let it launch, then wait (TRIGGER_FIRST)."""
-    return 0 if not pdl else (2 if TRIGGER_FIRST else 1)
+def ctas_per_sm(n_regs: int, warps: int, shared: int, regs: int = 65536, threads: int = 2048,
+                smem: int = 233472) -> int:
+    """How many CTAs of a kernel (registers a thread, warps a CTA, shared bytes a CTA) one SM holds
+    at once, as CUDA's occupancy calculator counts for Hopper: registers given out per warp in
+    units of 256 (8 a thread), 1 KB of shared memory reserved per CTA, at most 32 CTAs."""
+    per_sm = min(regs // (-(-max(1, n_regs) // 8) * 8 * 32) // warps, threads // (32 * warps), 32)
+    return min(per_sm, smem // (shared + 1024)) if shared else per_sm
+
+
+def one_wave(compiled, ctas: int, device: torch.device) -> bool:
+    """Whether `ctas` CTAs of a compiled Triton kernel are all resident at once on the device."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = ctas_per_sm(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared,
+                         getattr(props, "regs_per_multiprocessor", 65536),
+                         getattr(props, "max_threads_per_multi_processor", 2048),
+                         getattr(props, "shared_memory_per_multiprocessor", 233472))
+    return ctas <= per_sm * props.multi_processor_count
+
+
+def pdl_launch(kernel, grid: tuple, pdl: bool, rows: int, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) for a kernel that waits with wait_for_inputs (its PDL constexpr:
+    0 no PDL, 1 wait then let the next kernel launch, 2 let it launch, then wait), launched with
+    PDL when pdl is true, in the order TRIGGER_FIRST asks (rows: the launch's batch). Under 1 the
+    first launch of each (kernel, grid, constexprs) waits first and notes from the compiled kernel
+    whether the grid is one wave; the launches after it (the CUDA graphs, captured after a warm-up)
+    use that. Mixed plan's batch-1 step on an H200 (scripts/ab_step.py, BENCHMARKS.md, session 28):
+    1.603 ms waiting first everywhere, 1.577 ms under 1; the nvfp4 plan 2.080 against 2.100 ms
+    with its NVFP4 GEMVs first (hence TRIGGER_FIRST_SKIP) and 2.081 without; mixed batch 64 5.675
+    against 5.708 ms with its one-wave kernels first (hence batch 1 only)."""
+    key = (kernel, grid, tuple(sorted(kwargs.items())))
+    waves = TRIGGER_FIRST == 1 and rows == 1 and kernel.__name__ not in TRIGGER_FIRST_SKIP.split(",")
+    first = waves and _ONE_WAVE.get(key, False) or TRIGGER_FIRST == 2
+    compiled = kernel[grid](*args, PDL=0 if not pdl else (2 if first else 1), launch_pdl=pdl, **kwargs)
+    if pdl and waves and key not in _ONE_WAVE:
+        _ONE_WAVE[key] = one_wave(compiled, math.prod(grid), torch.device("cuda", torch.cuda.current_device()))
+    return compiled
 
 
 @triton.jit
@@ -152,7 +193,7 @@ def start_after_producer(PDL: tl.constexpr):
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
     """Under PDL: wait until the previous kernel has finished (its writes visible) and let the
-    next one launch — after the wait (PDL 1) or before it (PDL 2, pdl_flag). Everything before
+    next one launch — after the wait (PDL 1) or before it (PDL 2, pdl_launch). Everything before
     this may read only constant data (weights, scales)."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()

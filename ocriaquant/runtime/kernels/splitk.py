@@ -150,9 +150,9 @@ def pdl_launch(kernel, grid: tuple, pdl: bool, rows: int, *args, **kwargs):
     1.603 ms waiting first everywhere, 1.577 ms under 1; the nvfp4 plan 2.080 against 2.100 ms
     with its NVFP4 GEMVs first (hence TRIGGER_FIRST_SKIP) and 2.081 without; mixed batch 64 5.675
     against 5.708 ms with its one-wave kernels first (hence batch 1 only)."""
-    key = (kernel, grid, tuple(sorted(kwargs.items())))
     waves = TRIGGER_FIRST == 1 and rows == 1 and kernel.__name__ not in TRIGGER_FIRST_SKIP.split(",")
-    first = waves and _ONE_WAVE.get(key, False) or TRIGGER_FIRST == 2
+    key = (kernel, grid, tuple(sorted(kwargs.items()))) if waves else None  # built only where it is read
+    first = TRIGGER_FIRST == 2 or (waves and _ONE_WAVE.get(key, False))
     compiled = kernel[grid](*args, PDL=0 if not pdl else (2 if first else 1), launch_pdl=pdl, **kwargs)
     if pdl and waves and key not in _ONE_WAVE:
         _ONE_WAVE[key] = one_wave(compiled, math.prod(grid), torch.device("cuda", torch.cuda.current_device()))

@@ -56,19 +56,16 @@ def _attn_chunk_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, po_ptr, pm_ptr, p
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    if PREFETCH:  # the chunk's cached keys and values asked of L2 before the wait (see CHUNK_PREFETCH)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        last = tl.load(len_ptr + b)
-        if sp * CHUNK_ <= last:  # a chunk past the row's length reads nothing
-            t = tl.minimum(sp * CHUNK_ + tl.arange(0, CHUNK_), last)
-            lines = slot * c_stride_slot + kvh * c_stride_h + t[:, None] * c_stride_t + \
-                (tl.arange(0, (HD + LINE - 1) // LINE) * LINE)[None, :]
-            prefetch_l2(k_ptr + lines)
-            prefetch_l2(v_ptr + lines)
+    # slot and length come from step_inputs, finished before the kernel this one follows began: safe before the wait
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    last = tl.load(len_ptr + b)
+    if PREFETCH and sp * CHUNK_ <= last:  # the chunk's cached keys and values asked of L2 (see CHUNK_PREFETCH)
+        t = tl.minimum(sp * CHUNK_ + tl.arange(0, CHUNK_), last)
+        lines = slot * c_stride_slot + kvh * c_stride_h + t[:, None] * c_stride_t + \
+            (tl.arange(0, (HD + LINE - 1) // LINE) * LINE)[None, :]
+        prefetch_l2(k_ptr + lines)
+        prefetch_l2(v_ptr + lines)
     start_after_producer(PDL)  # q and the new token's k/v come from qk_norm_rope
-    if not PREFETCH:
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        last = tl.load(len_ptr + b)
     rg = tl.arange(0, GP)
     rd = tl.arange(0, HD)
     rt = tl.arange(0, BT)

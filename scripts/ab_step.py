@@ -27,7 +27,9 @@ lent GPU a variant per bench run costs far more than its timing. Here a variant 
 (and the first time, Triton compiling what it changed) plus `--steps` steps, and variants run
 interleaved, so drift between them shows as spread across rounds rather than as a difference.
 Each figure is bench.decode_speed (the engine's host loop), with the roofline fraction on the
-copy bandwidth measured at the start, as `ocriaquant bench` reports it.
+copy bandwidth measured at the start, as `ocriaquant bench` reports it. Every round re-captures, so
+a variant runs as a process's third or later capture: a setting whose first capture differs (PDL
+trigger-first did, BENCHMARKS.md session 29) needs scripts/bench_captures.py, or a bench per setting.
 """
 
 from __future__ import annotations

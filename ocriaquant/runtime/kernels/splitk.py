@@ -89,7 +89,9 @@ def use_pdl(device: torch.device, pdl: bool | None) -> bool:
 # and shared memory: one_wave); 2: always before. TRIGGER_FIRST_SKIP: kernels (names, comma-separated)
 # that always wait first. Read at every launch (ab_step can switch them); OCRIAQUANT_PDL_TRIGGER_FIRST
 # and OCRIAQUANT_PDL_TRIGGER_FIRST_SKIP set them at import.
-TRIGGER_FIRST = int(os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST", "1"))
+# Default 0: the one-wave order won only in graphs captured third or later in a process; a process's first capture
+# of it (what bench and a serving engine replay) was slower than waiting first (BENCHMARKS.md, session 29).
+TRIGGER_FIRST = int(os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST", "0"))
 # The NVFP4 batch-1 GEMVs wait first: triggering first cost the nvfp4 plan's batch-1 step 2.080 -> 2.100 ms, and
 # the mixed plan nothing either way (H200, BENCHMARKS.md, session 28).
 TRIGGER_FIRST_SKIP = os.environ.get("OCRIAQUANT_PDL_TRIGGER_FIRST_SKIP", "_gemv_nvfp4_m1_kernel")
@@ -149,7 +151,9 @@ def pdl_launch(kernel, grid: tuple, pdl: bool, rows: int, *args, **kwargs):
     use that. Mixed plan's batch-1 step on an H200 (scripts/ab_step.py, BENCHMARKS.md, session 28):
     1.603 ms waiting first everywhere, 1.577 ms under 1; the nvfp4 plan 2.080 against 2.100 ms
     with its NVFP4 GEMVs first (hence TRIGGER_FIRST_SKIP) and 2.081 without; mixed batch 64 5.675
-    against 5.708 ms with its one-wave kernels first (hence batch 1 only)."""
+    against 5.708 ms with its one-wave kernels first (hence batch 1 only). Those were graphs
+    re-captured in one process; in a process's first capture, the one a server replays, 1 took
+    1.640-1.645 ms against 0's 1.623 (session 29, scripts/bench_captures.py), hence 0 by default."""
     waves = TRIGGER_FIRST == 1 and rows == 1 and kernel.__name__ not in TRIGGER_FIRST_SKIP.split(",")
     key = (kernel, grid, tuple(sorted(kwargs.items()))) if waves else None  # built only where it is read
     first = TRIGGER_FIRST == 2 or (waves and _ONE_WAVE.get(key, False))

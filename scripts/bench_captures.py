@@ -8,7 +8,8 @@
 Each --capture takes ab_step.py's settings (none: the code as it is); the step is captured anew
 under them (the graphs before it kept alive, as ab_step.py does) and timed two ways: the engine's
 host loop (bench.decode_speed, `--steps` steps, `--repeats` times) and the graph alone, replayed
-back to back between CUDA events, so a difference that is the GPU's shows apart from the host's.
+back to back between CUDA events (profile_step.graph_ms: the median of 5 runs of `--replays`), so a
+difference that is the GPU's shows apart from the host's; `--trace-steps` adds each capture's kernels.
 Session 29 (BENCHMARKS.md) found the mixed plan's batch-1 step with splitk.TRIGGER_FIRST=1 at
 1.629 / 1.619 / 1.583 ms of GPU time in its first / second / third capture, every time; under 0 the
 captures were level. ab_step.py's rounds are re-captures, so it compares settings as the third
@@ -26,24 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ab_step import apply, forget_captures, parse_setting, undo  # noqa: E402
+from profile_step import graph_ms, kernel_spans, summarize  # noqa: E402
 
 from ocriaquant.bench import add_step_args, copy_bandwidth, decode_speed, step_bytes, step_runtime  # noqa: E402
 from ocriaquant.errors import OcriaError  # noqa: E402
-
-
-def replay_ms(rt, batch: int, context: int, n: int) -> float:
-    """ms per replay of the batch's captured step, n replays back to back from `context`."""
-    bucket = next(b for b in sorted(rt._graphs) if b >= batch)
-    graph, meta = rt._graphs[bucket][:2]
-    rt._write_meta(meta, bucket, [0] * batch, list(range(batch)), [context] * batch, [0] * batch)
-    torch.cuda.synchronize(rt.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize(rt.device)
-    return start.elapsed_time(end) / n
 
 
 def main() -> None:
@@ -53,6 +40,9 @@ def main() -> None:
                     help="one capture, under these settings (ab_step.py's syntax); repeat for more")
     ap.add_argument("--repeats", type=int, default=6, help="host-loop figures per capture")
     ap.add_argument("--replays", type=int, default=256, help="graph replays per GPU-only figure")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="also trace this many replays of each capture's kernels (profile_step.py's summary), "
+                         "to see which kernels a capture's placement slows")
     ap.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -72,13 +62,16 @@ def main() -> None:
             if i:
                 forget_captures(rt, retired)
             host = [decode_speed(rt, args.batch, args.context, args.steps, vocab) * 1e3 for _ in range(args.repeats)]
-            gpu = [replay_ms(rt, args.batch, args.context, args.replays) for _ in range(3)]
+            gpu, graph = graph_ms(rt, args.batch, args.context, args.replays)
+            kernels = None
+            if args.trace_steps:
+                kernels = summarize(kernel_spans(graph, args.trace_steps), args.trace_steps, 40)
         finally:
             undo(saved)
         rows.append({"capture": i, "settings": " ".join(text), "host_ms": [round(x, 4) for x in host],
-                     "gpu_ms": [round(x, 4) for x in gpu]})
+                     "gpu_ms": round(gpu, 4), "kernels": kernels})
         print(f"capture {i} [{' '.join(text) or 'as is'}]: host {min(host):.3f}-{max(host):.3f} ms, "
-              f"graph alone {min(gpu):.4f}-{max(gpu):.4f} ms", flush=True)
+              f"graph alone {gpu:.4f} ms", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "plan": args.plan, "batch": args.batch,
                                         "context": args.context, "max_len": rt.max_len, "steps": args.steps,

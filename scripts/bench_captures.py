@@ -13,7 +13,9 @@ difference that is the GPU's shows apart from the host's; `--trace-steps` adds e
 Session 29 (BENCHMARKS.md) found the mixed plan's batch-1 step with splitk.TRIGGER_FIRST=1 at
 1.629 / 1.619 / 1.583 ms of GPU time in its first / second / third capture, every time; under 0 the
 captures were level. ab_step.py's rounds are re-captures, so it compares settings as the third
-capture runs them.
+capture runs them. What differs between captures is where the graph's tensors lie in the memory
+pool: `--pad-mb` puts a held block in the pool before the first capture to test that, and each
+capture prints how much memory it took.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="also trace this many replays of each capture's kernels (profile_step.py's summary), "
                          "to see which kernels a capture's placement slows")
+    ap.add_argument("--pad-mb", type=float, default=0,
+                    help="before the first capture, a graph holding this many MB of the runtime's memory pool, "
+                         "so the step's tensors lie further in: is placement what makes a capture slow?")
     ap.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -56,12 +61,20 @@ def main() -> None:
     total = step_bytes(rt, args.batch, args.context)["total"]
     print(f"copy {bw / 1e12:.2f} TB/s, roofline {total / bw * 1e3:.4f} ms", flush=True)
     rows, retired = [], []
+    if args.pad_mb:
+        rt._pool = torch.cuda.graph_pool_handle()
+        pad = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(pad, pool=rt._pool):
+            held = torch.empty(int(args.pad_mb * 2**20), dtype=torch.uint8, device=rt.device).fill_(0)
+        retired.append((pad, held))
     for i, (text, settings) in enumerate(zip(args.capture, captures)):
         saved = apply(settings)
         try:
             if i:
                 forget_captures(rt, retired)
+            before = torch.cuda.memory_allocated(rt.device)
             host = [decode_speed(rt, args.batch, args.context, args.steps, vocab) * 1e3 for _ in range(args.repeats)]
+            grew = (torch.cuda.memory_allocated(rt.device) - before) / 2**20
             gpu, graph = graph_ms(rt, args.batch, args.context, args.replays)
             kernels = None
             if args.trace_steps:
@@ -69,15 +82,16 @@ def main() -> None:
         finally:
             undo(saved)
         rows.append({"capture": i, "settings": " ".join(text), "host_ms": [round(x, 4) for x in host],
-                     "gpu_ms": round(gpu, 4), "kernels": kernels})
+                     "gpu_ms": round(gpu, 4), "memory_grew_mb": round(grew, 1),
+                     "kernels": kernels})
         print(f"capture {i} [{' '.join(text) or 'as is'}]: host {min(host):.3f}-{max(host):.3f} ms, "
-              f"graph alone {gpu:.4f} ms", flush=True)
+              f"graph alone {gpu:.4f} ms; memory +{grew:.1f} MB", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"shape": args.shape, "plan": args.plan, "batch": args.batch,
                                         "context": args.context, "max_len": rt.max_len, "steps": args.steps,
                                         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                         "copy_tb_s": round(bw / 1e12, 3), "bytes_per_step": total,
-                                        "captures": rows}, indent=1))
+                                        "pad_mb": args.pad_mb, "captures": rows}, indent=1))
 
 
 if __name__ == "__main__":

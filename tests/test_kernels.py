@@ -784,6 +784,89 @@ def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
     assert l2_ahead(True, 4, 1) == 0 and l2_ahead(False, 4, 0) == 0
 
 
+@pytest.mark.parametrize("fmt,n,k,tile", [("fp8", 96, 1024, dict(block_n=16, block_k=256, split_k=3)),
+                                           ("fp8", 64, 2560, dict(block_n=32, block_k=512, split_k=None)),
+                                           ("nvfp4", 40, 9216, dict(block_n=8, block_k=1024, split_k=3))])
+def test_prefetch_regions_start_where_each_split_starts(monkeypatch, fmt, n, k, tile):
+    """What a batch-1 GEMV asks L2 for of the next one's weight (splitk.read_region, prefetch_args): one segment
+    per row and K-split, starting where launch_plan starts that split (so every CTA of the next GEMV finds its
+    first tile there), 16-byte aligned as cp.async.bulk.prefetch needs, each the same share of its split: the
+    budget's fraction of the weight, rounded down to 16 bytes, never past the split; a per-row scale whole;
+    nothing under the interpreter or at a budget of 0."""
+    from ocriaquant.runtime.kernels.splitk import launch_plan, prefetch_args, read_region
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    w = torch.zeros(n, k, dtype=torch.uint8) if fmt == "fp8" else torch.zeros(n, k // 8, dtype=torch.int32)
+    b, splits, split_bytes = read_region(w, k, **tile)
+    _, grid, k_per, *_ = launch_plan(1, n, k, tile["block_n"], tile["block_k"], cpu, tile["split_k"], w)
+    elem = 1 if fmt == "fp8" else 0.5  # bytes per weight: E4M3, packed E2M1
+    assert b.shape == (n, int(k * elem)) and splits == grid[1] and split_bytes == k_per * elem
+    assert split_bytes % 16 == 0 and b.shape[1] % 16 == 0
+    scale = torch.zeros(n, dtype=torch.float32)
+    for mb, seg in [(b.numel() / 3 / 2**20, split_bytes // 3 // 16 * 16), (1e6, split_bytes)]:
+        a = prefetch_args([(b, splits, split_bytes)], [scale], dummy=w, mb=mb)
+        assert a["NEXT"] == 2 and a["pf0_ptr"] is b and a["pf0_nseg"] == n * splits
+        assert (a["pf0_splits"], a["pf0_row"], a["pf0_split"], a["pf0_seg"]) == (splits, b.shape[1], split_bytes, seg)
+        assert a["pf1_nseg"] == 1 and a["pf1_seg"] == 4 * n // 16 * 16
+    assert prefetch_args([(b, splits, split_bytes)], None, dummy=w, mb=0)["NEXT"] == 0
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    none = prefetch_args([(b, splits, split_bytes)], [scale], dummy=w, mb=8)
+    assert none["NEXT"] == 0 and none["pf0_ptr"] is w and none["pf1_ptr"] is w
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 prefetch is PTX: the interpreter never issues it")
+def test_gemv_prefetching_the_next_weight_changes_no_output():
+    """A batch-1 GEMV that asks L2 for the next GEMV's weight as it ends (FP8, the quantizing FP8, NVFP4 with
+    and without split-K, the fused SiLU gate_up) writes the same bits as without, in a CUDA graph too, for any
+    budget: the segments lie inside the next weight (a bad address would fault the launch)."""
+    from ocriaquant.quant import fp8, nvfp4
+    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_quantizing, gemv_nvfp4, quant_fp8_per_token
+    from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1
+    from ocriaquant.runtime.kernels.splitk import read_region
+
+    k = 2560
+    w = torch.randn(4096, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    w_q, w_s = fp8.quantize_weight(w)
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    m1 = pack_m1(packed, scales)
+    m1_silu = pack_m1(packed, scales, interleave=True)
+    nxt_w, nxt_s = fp8.quantize_weight(torch.randn(3000, 4096, dtype=torch.bfloat16, device=DEV))
+    words, wsc = pack_m1(*nvfp4.quantize_weight(torch.randn(1000, 9216, dtype=torch.bfloat16, device=DEV))[:2])
+    nexts = [([read_region(nxt_w, 4096, 128, 256, 8)], [nxt_s]),
+             ([read_region(words, 9216, 8, 1024, 3), read_region(wsc, 9216, 8, 1024, 3)], None)]
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+
+    def run(pf):
+        q, s, h = quant_fp8_per_token(x, half=True)
+        pairs = nvfp4_x_pairs(x)
+        return [gemv_fp8(q, s, w_q, w_s, x_half=h, block_n=64, block_k=512, num_warps=8, prefetch=pf),
+                gemv_fp8_quantizing(x, x.float().abs().amax().reshape(1), w_q, w_s, block_n=128, block_k=256,
+                                    split_k=8, num_warps=8, prefetch=pf),
+                gemv_nvfp4(x, packed, scales, gs, m1=m1, x_pairs=pairs, block_n=8, block_k=1024, split_k=1,
+                           num_warps=2, prefetch=pf),
+                gemv_nvfp4(x, packed, scales, gs, m1=m1, x_pairs=pairs, block_n=8, block_k=512, split_k=3,
+                           num_warps=2, prefetch=pf),
+                *gemv_nvfp4_silu(pairs, m1_silu, gs, prefetch=pf)]
+
+    want = run(None)
+    for mb in (1, 8, 1e6):
+        for pf in nexts:
+            with pytest.MonkeyPatch.context() as mp:
+                from ocriaquant.runtime.kernels import splitk
+
+                mp.setattr(splitk, "PREFETCH_NEXT_MB", float(mb))
+                for got, ref in zip(run(pf), want):
+                    assert torch.equal(got, ref)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    outs = run(pf)
+                g.replay()
+                torch.cuda.synchronize()
+                for got, ref in zip(outs, want):
+                    assert torch.equal(got, ref)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU "
                     "(test_pdl_only_on_the_gpu covers the CPU side)")
 @pytest.mark.parametrize("trigger_first", [0, 1, 2])

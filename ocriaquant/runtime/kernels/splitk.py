@@ -116,6 +116,86 @@ def prefetch_ahead(w_ptr, rn, N, stride_wn, start, end, AHEAD: tl.constexpr, STE
         prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn + off[None, :])
 
 
+# How many bytes of the next GEMV's weights a batch-1 GEMV asks L2 for as its CTAs finish (prefetch_next): the
+# decode step's small kernels (norms, gdn_decode, attention) and each GEMV's tail leave DRAM idle, while the GEMV
+# after them then streams every byte from DRAM. Each of the next weight's segments (a row's share of a K-split,
+# where its CTAs start) is asked for from its start, the same fraction of each, so that every CTA of the next GEMV
+# finds its first tiles in L2. 0: off. Read at every launch (ab_step can switch it).
+PREFETCH_NEXT_MB = float(os.environ.get("OCRIAQUANT_PREFETCH_NEXT_MB", "0"))
+
+
+def read_region(w: torch.Tensor, k: int, block_n: int, block_k: int, split_k: int | None) -> tuple:
+    """What a batch-1 GEMV with this tile reads of weight-like tensor w ([N, ...] rows holding K values each, any
+    dtype): (w as bytes [N, row bytes], K splits, bytes of a split's share of a row)."""
+    b = w.reshape(w.shape[0], -1).view(torch.uint8)
+    _, splits = geometry(w.shape[0], k, block_n, block_k, w.device, split_k)
+    k_per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return b, triton.cdiv(k, k_per), k_per * b.shape[1] // k
+
+
+def prefetch_args(regions: list[tuple] | None, whole: list[torch.Tensor] | None, dummy: torch.Tensor,
+                  mb: float | None = None) -> dict:
+    """The kernel arguments of prefetch_next for the next GEMV's regions (read_region's; the first is its weight,
+    whose size sets the fraction asked of every region) and `whole`, asked for whole (a per-row scale): PF0_* and
+    PF1_* (pointer, segments, splits, row bytes, split bytes, bytes asked per segment) and NEXT, how many are live.
+    None, a budget of 0 or the interpreter (no PTX): NEXT = 0, the pointers `dummy`."""
+    mb = 0 if os.environ.get("TRITON_INTERPRET") == "1" else PREFETCH_NEXT_MB if mb is None else mb
+    live = []
+    if regions and mb > 0:
+        weight = regions[0][0].numel()
+        frac = min(1.0, mb * 2 ** 20 / weight)
+        for b, splits, split_bytes in regions:
+            seg = min(split_bytes, max(16, int(frac * split_bytes) // 16 * 16)) // 16 * 16
+            if seg:
+                live.append((b, b.shape[0] * splits, splits, b.shape[1], split_bytes, seg))
+        for b in whole or []:
+            b = b.reshape(1, -1).view(torch.uint8)
+            if b.shape[1] >= 16:
+                live.append((b, 1, 1, b.shape[1], b.shape[1], b.shape[1] // 16 * 16))
+        live = live[:2]
+    args = {}
+    for i in range(2):
+        b, nseg, splits, row_bytes, split_bytes, seg = live[i] if i < len(live) else (dummy, 0, 1, 0, 0, 0)
+        args.update({f"pf{i}_ptr": b, f"pf{i}_nseg": nseg, f"pf{i}_splits": splits, f"pf{i}_row": row_bytes,
+                     f"pf{i}_split": split_bytes, f"pf{i}_seg": seg})
+    args["NEXT"] = len(live)
+    return args
+
+
+@triton.jit
+def prefetch_l2_bulk(ptrs, nbytes):
+    """nbytes (int32, a multiple of 16) from each 16-byte aligned address into L2 (cp.async.bulk.prefetch.L2,
+    sm_90): one instruction a segment, no registers held, nothing to wait for. The int32 returned is a dummy."""
+    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                     [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_region(ptr, nseg, splits, row_bytes, split_bytes, seg, LANES: tl.constexpr):
+    """This CTA's share of a region's segments (segment j: row j // splits at split j % splits), LANES at a time."""
+    ctas = tl.num_programs(0) * tl.num_programs(1)
+    cta = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    per = tl.cdiv(nseg, ctas)
+    j0 = cta * per
+    j1 = tl.minimum(j0 + per, nseg)
+    for j in range(j0, j1, LANES):
+        jj = tl.minimum(j + tl.arange(0, LANES), j1 - 1)  # past the end: the last segment again, already asked
+        off = (jj // splits).to(tl.int64) * row_bytes + (jj % splits).to(tl.int64) * split_bytes
+        prefetch_l2_bulk(ptr + off, tl.zeros((LANES,), dtype=tl.int32) + seg)
+
+
+@triton.jit
+def prefetch_next(pf0_ptr, pf0_nseg, pf0_splits, pf0_row, pf0_split, pf0_seg,
+                  pf1_ptr, pf1_nseg, pf1_splits, pf1_row, pf1_split, pf1_seg, NEXT: tl.constexpr,
+                  LANES: tl.constexpr):
+    """A batch-1 GEMV CTA's last statement: ask L2 for its share of the next GEMV's first bytes (prefetch_args),
+    which DRAM then streams while the small kernels between the two run. GPU only (NEXT = 0 elsewhere)."""
+    if NEXT >= 1:
+        _prefetch_region(pf0_ptr, pf0_nseg, pf0_splits, pf0_row, pf0_split, pf0_seg, LANES)
+    if NEXT >= 2:
+        _prefetch_region(pf1_ptr, pf1_nseg, pf1_splits, pf1_row, pf1_split, pf1_seg, LANES)
+
+
 def l2_ahead(interpret: bool, tiles_after_first: int, ahead: int) -> int:
     """prefetch_ahead's AHEAD for a launch asking `ahead` tiles: 0 under the interpreter (no PTX), never more than
     the split has tiles left, a power of two."""

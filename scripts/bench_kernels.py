@@ -425,14 +425,6 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
                 r = {"shape": name, "n": n, "k": k, "format": fmt, "m": m, "bytes": wbytes + io,
                      "gemv_us": round(long_us, 2), "gemv %bw": pct(long_us),
                      "gemv_short_graph_us": round(short_us, 2), "gemv short %bw": pct(short_us), "rel_err": err}
-                if m == 1 and PREFETCH_NEXT_MB > 0:  # each launch asks L2 for the next copy's first bytes
-                    next_us = graph_time_us(cycled(prefetching_fns(fmt, n, k, WQ, WP, gs, outs, x_q if fmt == "fp8"
-                                                                   else None, x_s if fmt == "fp8" else None,
-                                                                   half[0] if fmt == "fp8" else pairs)))
-                    r.update({"prefetch_next_mb": PREFETCH_NEXT_MB, "gemv_next_us": round(next_us, 2),
-                              "gemv_next %bw": pct(next_us)})
-                    log(f"{name:20s} {fmt:5s} M=1 with the next copy's first {PREFETCH_NEXT_MB:g} MB asked of L2: "
-                        f"{next_us:7.2f}us ({pct(next_us):5.1f}%)")
                 floor = ""
                 if best is not None:
                     r.update({"floor_us": round(best["us"], 2), "floor %bw": pct(best["us"]),
@@ -454,31 +446,6 @@ def bench_floor(shapes: dict, ms: list[int], bw: float, log, sweep: bool = True,
         del WQ, WP
         torch.cuda.empty_cache()
     return rows
-
-
-# --prefetch-next: MB of the next weight copy each batch-1 GEMV of --only rules / floor asks L2 for as it ends
-# (splitk.PREFETCH_NEXT_MB, what the runtime does for the GEMV after it in the step); 0: not timed.
-PREFETCH_NEXT_MB = 0.0
-
-
-def prefetching_fns(fmt: str, n: int, k: int, WQ: list, WP: list, gs, outs: list, x_q, x_s, act) -> list:
-    """bench_floor's batch-1 launches at the runtime's tiles, each asking L2 for its successor copy's first
-    PREFETCH_NEXT_MB (the regions QuantLinear.b1_regions gives the runtime's next GEMV); act: the fp16 pairs
-    (FP8) or the NVFP4 activation pairs."""
-    from ocriaquant.runtime.kernels import splitk
-
-    splitk.PREFETCH_NEXT_MB = PREFETCH_NEXT_MB  # read by every launch (prefetch_args)
-    tile = m1_tile(fmt, n, k)
-    args = (k, tile["block_n"], tile["block_k"], tile.get("split_k"))
-    nc = len(outs)
-    if fmt == "fp8":
-        reg = [([splitk.read_region(WQ[i][0], *args)], [WQ[i][1]]) for i in range(nc)]
-        return [lambda i=i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=act, prefetch=reg[(i + 1) % nc], **tile)
-                for i in range(nc)]
-    reg = [([splitk.read_region(WP[i][2][0], *args), splitk.read_region(WP[i][2][1], *args)], None)
-           for i in range(nc)]
-    return [lambda i=i: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=act, m1=WP[i][2],
-                                   prefetch=reg[(i + 1) % nc], **tile) for i in range(nc)]
 
 
 # gemv_dot(swap=True) tiles above batch 1: (block_n, block_k, num_warps, num_stages)
@@ -828,14 +795,9 @@ def main() -> None:
     ap.add_argument("--pdl", default="0,1,2",
                     help="floor / floorx: the stream_read PDL orders swept (0 off, 1 the next launch after the "
                          "wait, 2 before it)")
-    ap.add_argument("--prefetch-next", type=float, default=0.0, metavar="MB",
-                    help="rules / floor at batch 1: also time each GEMV asking L2 for the next weight copy's first MB "
-                         "as it ends (the runtime's splitk.PREFETCH_NEXT_MB); 0: not timed")
     ap.add_argument("--shapes", default="all", choices=("all", "fused"),
                     help="GEMV shapes for --only gemv: the fused units and their members, or fused only")
     args = ap.parse_args()
-    global PREFETCH_NEXT_MB
-    PREFETCH_NEXT_MB = args.prefetch_next
     torch.manual_seed(0)
     only = set(args.only.split(","))
     modes = tuple(int(v) for v in args.pdl.split(","))

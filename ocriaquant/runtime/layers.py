@@ -74,29 +74,6 @@ class QuantLinear(nn.Module):
         self.register_buffer("w_m1", None)  # NVFP4: the batch-1 kernel's weight words (pack_m1)
         self.register_buffer("w_m1_scale", None)
         self.m1_interleaved = False
-        self._regions: dict[str, tuple] = {}  # what its batch-1 GEMV reads first, by tile kind (b1_regions)
-        self._read: tuple | None = None  # the regions of its last batch-1 launch: what the GEMV before it prefetches
-        object.__setattr__(self, "_next", None)  # the Linear a decode step runs after this one (chain_prefetch)
-
-    def b1_regions(self, kind: str, tile: dict) -> tuple:
-        """(regions, whole) of splitk.prefetch_args for this Linear's batch-1 GEMV with `tile`: the weight, then
-        NVFP4's block scales, by K-split; FP8's per-row scale whole. Noted as this Linear's last read."""
-        if kind not in self._regions:
-            from .kernels.splitk import read_region
-
-            args = (self.in_features, tile["block_n"], tile["block_k"], tile.get("split_k"))
-            if self.kind == "fp8":
-                self._regions[kind] = ([read_region(self.w_q, *args)], [self.w_scale])
-            elif self.w_m1 is not None:
-                self._regions[kind] = ([read_region(self.w_m1, *args), read_region(self.w_m1_scale, *args)], None)
-            else:
-                self._regions[kind] = None
-        self._read = self._regions[kind]
-        return self._read
-
-    def prefetch(self) -> tuple | None:
-        """What this Linear's batch-1 GEMV asks L2 for as it ends: the next Linear's last batch-1 read."""
-        return None if self._next is None else self._next._read
 
     def pack_m1(self, interleave: bool = False) -> None:
         """NVFP4: write the weight once more in the batch-1 kernel's bit order (gemv_nvfp4.pack_m1),
@@ -150,19 +127,12 @@ class QuantLinear(nn.Module):
         # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs, fp32 for
         # x's absmax in parts (batch 1, FP8: quantized inside the GEMV)
         form = None if x_q is None else x_q[0].dtype
-        pf = None
-        if m == 1:
-            pf = self.prefetch()
-            if self.kind != "bf16":
-                qx = self.kind == "fp8" and form == torch.float32
-                self.b1_regions("fp8_qx" if qx else self.kind, self._m1_tile("fp8_qx") if qx else tile)
         if self.kind == "fp8" and form == torch.float32 and m == 1:
-            return gemv_fp8_quantizing(x, x_q[0], self.w_q, self.w_scale, partials=partials, prefetch=pf,
+            return gemv_fp8_quantizing(x, x_q[0], self.w_q, self.w_scale, partials=partials,
                                        **self._m1_tile("fp8_qx"))
         if self.kind == "fp8":
             q, s, *half = x_q if form == torch.float8_e4m3fn else quant_fp8_per_token(x.contiguous(), half=m == 1)
-            return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, partials=partials,
-                            prefetch=pf, **tile)
+            return gemv_fp8(q, s, self.w_q, self.w_scale, x_half=half[0] if half else None, partials=partials, **tile)
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
         if m > 1:  # BF16 and W4A16 above batch 1: cuBLAS on the dequantized weight was faster on the H200
@@ -170,8 +140,7 @@ class QuantLinear(nn.Module):
         if self.kind == "bf16":
             return gemv_bf16(x.contiguous(), self.weight, **tile)
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale,
-                          x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), partials=partials, prefetch=pf,
-                          **tile)
+                          x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), partials=partials, **tile)
 
     def _m1_tile(self, kind: str | None = None) -> dict:
         """The batch-1 GEMV tile (kernels/tiles.py) for this weight's shape and `kind` (this
@@ -192,12 +161,10 @@ class QuantLinear(nn.Module):
         return self._dot_tiles[m]
 
     def forget_tiles(self) -> None:
-        """Drop the tiles looked up so far (_m1_tile, _dot_tile) and the regions they read: the next launch reads
-        tiles.py's rule and overrides again (scripts/ab_step.py, between variants of a model built once)."""
+        """Drop the tiles looked up so far (_m1_tile, _dot_tile): the next launch reads tiles.py's
+        rule and overrides again (scripts/ab_step.py, between variants of a model built once)."""
         self._m1_tiles.clear()
         self._dot_tiles.clear()
-        self._regions.clear()
-        self._read = None
 
     def tile_kinds(self) -> list[str]:
         """The kinds (tiles.tile_override's) of the tiles looked up so far: the batch-1 kernels'
@@ -214,10 +181,8 @@ class QuantLinear(nn.Module):
         pairs, from this GEMV's epilogue (gemv_nvfp4_silu)."""
         from .kernels.gemv_nvfp4 import gemv_nvfp4_silu
 
-        pf = self.prefetch()
-        tile = self._m1_tile("nvfp4_silu")
-        self.b1_regions("nvfp4_silu", dict(tile, split_k=1))
-        return gemv_nvfp4_silu(x_pairs, (self.w_m1, self.w_m1_scale), self.w_global_scale, prefetch=pf, **tile)
+        return gemv_nvfp4_silu(x_pairs, (self.w_m1, self.w_m1_scale), self.w_global_scale,
+                               **self._m1_tile("nvfp4_silu"))
 
     def forward_silu_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """Batch 1, a BF16 fused gate_up: silu(gate) · up [1, I] from the GEMV's epilogue
@@ -233,10 +198,8 @@ class QuantLinear(nn.Module):
         (`partials`: see forward)."""
         from .kernels import gemv_nvfp4
 
-        pf = self.prefetch()
-        self.b1_regions(self.kind, self._m1_tile())
         return gemv_nvfp4(None, self.w_packed, self.w_scale, self.w_global_scale, x_pairs=x_pairs, m1=self._m1(),
-                          partials=partials, prefetch=pf, **self._m1_tile())
+                          partials=partials, **self._m1_tile())
 
     @classmethod
     def concat(cls, parts: list["QuantLinear"]) -> "QuantLinear | None":

@@ -118,7 +118,6 @@ class RuntimeModel(nn.Module):
             for layer in self.layers:
                 layer.mixer.fuse()
                 layer.mlp.fuse()
-            self._chain_prefetch()
         # Norms whose Linears all read FP8 or all NVFP4 (W4A16) write their output in the form
         # those GEMVs read as well (add_rmsnorm's quant), saving a launch or a pass per GEMV.
         def quant_for(linears):
@@ -190,19 +189,6 @@ class RuntimeModel(nn.Module):
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x[-1:]))[0], delta
-
-    def _chain_prefetch(self) -> None:
-        """Tell each Linear which one a decode step runs next (QuantLinear.prefetch): the mixer's input
-        projections, its out_proj / o_proj, the MLP's input projections, down_proj, layer after layer, then the
-        lm_head."""
-        order = []
-        for layer in self.layers:
-            mixer = layer.mixer
-            order += mixer.input_linears() + [mixer.o_proj if isinstance(mixer, Attention) else mixer.out_proj]
-            order += layer.mlp.input_linears() + [layer.mlp.down_proj]
-        order.append(self.lm_head)
-        for a, b in zip(order, order[1:]):
-            object.__setattr__(a, "_next", b)
 
     @torch.no_grad()
     def _pack_m1(self) -> None:

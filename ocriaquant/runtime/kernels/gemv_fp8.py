@@ -19,9 +19,8 @@ from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
-from .splitk import (Partials, l2_ahead, launch_plan, partials_view, pdl_launch, prefetch_ahead, prefetch_args,
-                     prefetch_next, split_tile, start_after_producer, store_row, use_pdl, wait_for_inputs,
-                     whole_tile_mask, workspace)
+from .splitk import (Partials, l2_ahead, launch_plan, partials_view, pdl_launch, prefetch_ahead, split_tile,
+                     start_after_producer, store_row, use_pdl, wait_for_inputs, whole_tile_mask, workspace)
 from .tiles import dot_tile
 
 # K-tiles past its first that a batch-1 CTA asks L2 for before its PDL wait (splitk.prefetch_ahead): only the
@@ -90,10 +89,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
                         EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr,
-                        pf0_ptr, pf0_nseg, pf0_splits, pf0_row, pf0_split, pf0_seg,
-                        pf1_ptr, pf1_nseg, pf1_splits, pf1_row, pf1_split, pf1_seg,
-                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0, NEXT: tl.constexpr = 0,
-                        LANES: tl.constexpr = 128):
+                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -136,8 +132,6 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     y = tl.sum(acc, 1) * (256.0 * xs) * wsc
     store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
-    prefetch_next(pf0_ptr, pf0_nseg, pf0_splits, pf0_row, pf0_split, pf0_seg,
-                  pf1_ptr, pf1_nseg, pf1_splits, pf1_row, pf1_split, pf1_seg, NEXT, LANES)
 
 
 def early_scales(qx: bool, splits: int, num_warps: int) -> bool:
@@ -150,7 +144,7 @@ def early_scales(qx: bool, splits: int, num_warps: int) -> bool:
 
 
 def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, x_half,
-                 partials=False, x_row=None, x_amax=None, prefetch=None):
+                 partials=False, x_row=None, x_amax=None):
     """The batch-1 launch: from x_q's codes (x_half: their pairs, if the producer wrote them), or,
     with x_row, from the bf16 row and its absmax parts x_amax (QX: quantized in the kernel)."""
     n, k = w_q.shape
@@ -176,15 +170,14 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                EVEN_N=n % block_n == 0, QX=qx,
                NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
                BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
-               AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD), LANES=32 * num_warps,
-               **prefetch_args(*(prefetch or (None, None)), dummy=w_q))
+               AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD))
     return partials_view(ws, grid[1], n) if partials else out
 
 
 def gemv_fp8_quantizing(x: torch.Tensor, x_amax: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                         out: torch.Tensor | None = None, block_n: int = 16, block_k: int = 256,
                         split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, pdl: bool | None = None,
-                        partials: bool = False, prefetch: tuple | None = None) -> torch.Tensor | Partials:
+                        partials: bool = False) -> torch.Tensor | Partials:
     """Batch 1: gemv_fp8(quant_fp8_per_token(x)) in one launch. x bf16 [1, K]; x_amax fp32, max |x|
     in parts (any shape: the producer's, e.g. gdn_decode(quant="amax")'s per key head), whose max is
     the row's absmax. Each CTA quantizes its own K-slice (the same codes, so the same output, as
@@ -195,14 +188,14 @@ def gemv_fp8_quantizing(x: torch.Tensor, x_amax: torch.Tensor, w_q: torch.Tensor
         raise ValueError(f"gemv_fp8_quantizing: x must be one contiguous row of the weight's K, K a multiple of 16, "
                          f"got x {tuple(x.shape)}, w {tuple(w_q.shape)}")
     return _gemv_fp8_m1(None, None, w_q, w_scale, out, block_n, block_k, split_k, num_warps, num_stages, pdl, None,
-                        partials, x_row=x, x_amax=x_amax, prefetch=prefetch)
+                        partials, x_row=x, x_amax=x_amax)
 
 
 def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
              split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
              path: str = "auto", pdl: bool | None = None, x_half: torch.Tensor | None = None,
-             partials: bool = False, prefetch: tuple | None = None) -> torch.Tensor | Partials:
+             partials: bool = False) -> torch.Tensor | Partials:
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
     path: "half2" (M = 1, paired fp16 on CUDA cores), "fma" (M = 1, fp32 on CUDA cores:
     gemv_m1.py), "dot" (tensor cores, gemv_dot's swapped form), "auto" (half2 at M = 1 where K
@@ -234,7 +227,7 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
             raise ValueError(f"gemv_fp8: the half2 path is for M = 1 and K a multiple of 16 with aligned rows, "
                              f"got M={m}, w {tuple(w_q.shape)}")
         return _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, tile["block_n"], tile["block_k"], tile.get("split_k"),
-                            tile["num_warps"], tile["num_stages"], pdl, x_half, partials, prefetch=prefetch)
+                            tile["num_warps"], tile["num_stages"], pdl, x_half, partials)
     tile.pop("num_stages")
     return gemv_m1(x_q, w_q, x_scale, w_scale, out=out, pdl=pdl, **tile)
 

@@ -32,8 +32,8 @@ import triton.language as tl
 from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, load_pairs_v4, nvfp4_block_dot, store_nvfp4_pairs
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (Partials, launch_plan, partials_view, pdl_launch, prefetch_args, prefetch_next, split_tile,
-                     store_or_reduce, store_row, use_pdl, wait_for_inputs, whole_tile_mask)
+from .splitk import (Partials, launch_plan, partials_view, pdl_launch, split_tile, store_or_reduce, store_row,
+                     use_pdl, wait_for_inputs, whole_tile_mask)
 
 
 @triton.jit
@@ -108,10 +108,7 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                          pf0_ptr, pf0_nseg, pf0_splits, pf0_row, pf0_split, pf0_seg,
-                          pf1_ptr, pf1_nseg, pf1_splits, pf1_row, pf1_split, pf1_seg,
-                          NEXT: tl.constexpr = 0, LANES: tl.constexpr = 128):
+                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -167,8 +164,6 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
     else:
         store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
-    prefetch_next(pf0_ptr, pf0_nseg, pf0_splits, pf0_row, pf0_split, pf0_seg,
-                  pf1_ptr, pf1_nseg, pf1_splits, pf1_row, pf1_split, pf1_seg, NEXT, LANES)
 
 
 @triton.jit
@@ -243,7 +238,7 @@ def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = Fa
 
 
 def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx, pdl,
-               device, out=None, silu_out=None, partials=False, prefetch=None):
+               device, out=None, silu_out=None, partials=False):
     words, scales = m1
     if words.shape != (n, k // 8) or scales.shape != (n, k // 16):
         raise ValueError(f"gemv_nvfp4: batch-1 weight words {tuple(words.shape)} / scales {tuple(scales.shape)} "
@@ -259,8 +254,7 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0),
                k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
-               PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-               LANES=32 * num_warps, **prefetch_args(*(prefetch or (None, None)), dummy=words))
+               PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp)
     return partials_view(ws, grid[1], n) if partials else out
 
 
@@ -269,8 +263,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                path: str = "auto", ptx: bool = True, pdl: bool | None = None,
                x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
-               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False,
-               prefetch: tuple | None = None) -> torch.Tensor | Partials:
+               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False) -> torch.Tensor | Partials:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
     ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops).
@@ -292,7 +285,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
         xw, xs = x_pairs if x_pairs is not None else nvfp4_x_pairs(x.contiguous())
         m1 = pack_m1(w_packed, w_scale) if m1 is None else m1
         return _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx,
-                          pdl, device, out=out, partials=partials, prefetch=prefetch)
+                          pdl, device, out=out, partials=partials)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
@@ -304,8 +297,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
 
 def gemv_nvfp4_silu(x_pairs: tuple[torch.Tensor, torch.Tensor], m1: tuple[torch.Tensor, torch.Tensor],
                     w_global_scale: torch.Tensor, block_n: int = 32, block_k: int = 512, num_warps: int = 4,
-                    num_stages: int = 4, ptx: bool = True, pdl: bool | None = None,
-                    prefetch: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_stages: int = 4, ptx: bool = True, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch 1, a fused NVFP4 gate_up packed with pack_m1(..., interleave=True), its input as
     activation pairs -> silu(gate) · up as down_proj's NVFP4 activation pairs (int32 [1, I/2],
     fp32 [1, I/16]), in one launch: the GEMV, silu_mul_quant's bf16 rounding and
@@ -319,7 +311,7 @@ def gemv_nvfp4_silu(x_pairs: tuple[torch.Tensor, torch.Tensor], m1: tuple[torch.
     hs = torch.empty(1, i // 16, dtype=torch.float32, device=words.device)
     xw, xs = x_pairs
     _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, 1, num_warps, num_stages, ptx, pdl,
-               words.device, silu_out=(hw, hs), prefetch=prefetch)
+               words.device, silu_out=(hw, hs))
     return hw, hs
 
 

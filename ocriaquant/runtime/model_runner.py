@@ -299,6 +299,18 @@ class RuntimeModel(nn.Module):
         self._last = (n, meta)
         return PendingTokens(buf, done, n)
 
+    def capture_buckets(self, max_batch: int) -> list[int]:
+        """Capture now the decode graph of every bucket a batch of up to `max_batch` rows can
+        use (each compiles its kernels' variants first), so that none is captured mid-serving;
+        returns the buckets captured here. Nothing to do without CUDA graphs."""
+        if not self.use_graphs:
+            return []
+        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+        new = [b for b in BUCKETS if b <= top and b not in self._graphs]
+        for b in new:
+            self._graph(b)
+        return new
+
     def _graph(self, bucket: int):
         """Capture (once) the decode step for `bucket` rows. Warm-up and capture run with every
         row on the sentinel slot, so they touch no real sequence's state."""

@@ -101,7 +101,8 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
         return real(self, enc, slot)
 
     monkeypatch.setattr(RuntimeModel, "prefill", prefill)
-    rep = bench.run(None, None, "mixed", "cpu", "torch", [1], 8, 1, [1], 3, 0.2, 2, False, 2, False,
+    rep = bench.run(None, None, "mixed", "cpu", "torch", batches=[1], context=8, steps=1, concurrency=[1], pages=3,
+                    megapixels=0.2, out_tokens=2, baseline=False, baseline_tokens=2, cuda_graphs=False,
                     log=lambda _: None)
     (pages,) = rep["pages"]
     assert len(calls) == 4  # the warm-up's page and the three timed ones

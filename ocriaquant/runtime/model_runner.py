@@ -20,6 +20,11 @@ from .load import TEXT, open_checkpoint, read_linear
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # CUDA-graph batch sizes; the GEMVs take M <= 64
 
 
+def bucket_for(n: int) -> int | None:
+    """The smallest CUDA-graph bucket that holds n rows; None above the largest (run eagerly)."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
 class _RopeIndex:
     """transformers' M-RoPE position builder (Qwen3_5Model.get_rope_index) without the model."""
 
@@ -246,7 +251,7 @@ class RuntimeModel(nn.Module):
         n = len(tokens)
         if lengths and max(lengths) >= self.max_len:
             raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
-        bucket = next((b for b in BUCKETS if b >= n), None)
+        bucket = bucket_for(n)
         if not self.use_graphs or bucket is None:
             meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
             return self.decode(*meta)
@@ -276,7 +281,7 @@ class RuntimeModel(nn.Module):
             raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
         if tokens is None and (self._last is None or self._last[0] != n):
             raise OcriaError("greedy_step(None, ...) chains from a last step of the same rows; there is none")
-        bucket = next((b for b in BUCKETS if b >= n), None)
+        bucket = bucket_for(n)
         if not self.use_graphs or bucket is None:
             if tokens is None:
                 meta = self._last[1]
@@ -305,7 +310,7 @@ class RuntimeModel(nn.Module):
         returns the buckets captured here. Nothing to do without CUDA graphs."""
         if not self.use_graphs:
             return []
-        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])
+        top = bucket_for(max_batch) or BUCKETS[-1]
         new = [b for b in BUCKETS if b <= top and b not in self._graphs]
         for b in new:
             self._graph(b)

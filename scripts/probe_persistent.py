@@ -1,0 +1,334 @@
+"""Probe: what would a persistent decode kernel — one launch running many layers, its CTAs meeting at a
+grid barrier where the runtime ends one kernel and launches the next — gain at batch 1? Measured on a
+synthetic chain with the byte profile of the real step, before anyone writes the real kernel.
+
+    python scripts/probe_persistent.py --shape qwen3.5-4b --context 512 --out persistent.json
+
+Why. The mixed plan's batch-1 step on an H200 launches ~245 kernels and runs at 58 % of its roofline;
+each launch costs ~2.8 µs beyond its bytes (BENCHMARKS.md, sessions 21 and 32), and #9 asks 70 %.
+Under PDL the next kernel already streams its weights before it waits, so whether a grid barrier
+inside one kernel is cheaper than a kernel boundary is an open, measurable question.
+
+The chain. One phase per kernel of the step, in the step's order, each streaming that kernel's bytes:
+the GDN and attention input projections (FP8), gdn_decode (its fp32 state, read and written, as
+reads), attention's KV at --context, out_proj / o_proj (FP8), gate_up and down (NVFP4 packed + FP8
+block scales), and the small kernels (norms, qk_norm_rope, attention's merge) as phases of a few KB.
+Phase p is an integer "GEMV" over its weight words W_p [N_p, K_p] (int32): y_p[n] = Σ_k W_p[n, k] ^
+y_{p-1}[k mod N_{p-1}], summed with wrapping int32 atomics (exact in any order, so split-K needs no
+tail) — a true dependency on the phase before at the cost of a XOR and an add a word, so the probe
+stays memory-bound as the real GEMVs are. Phase p also zeroes phase p+1's output.
+
+The variants (one kernel source, so only the phase boundary differs):
+- `launches`: a kernel per phase, captured in one CUDA graph, under PDL as the runtime launches
+  its GEMVs: each CTA loads its first weight tile, waits on the kernel before, then lets the next
+  launch (splitk.wait_for_inputs, PDL 1).
+- `persistent`: one launch of `--ctas-per-sm` CTAs a SM (all resident), phases separated by a grid
+  barrier (an arrive counter per phase, acq_rel, spun on); each CTA loads its next phase's first
+  weight tile before it arrives, as the PDL kernel does before its wait.
+- `no-barrier`: the persistent kernel with no barrier at all (wrong sums): the ceiling of the chain.
+Each runs on the step's chain and on a `folded` one without the phases under 64 KB: a persistent
+kernel would compute a norm in every CTA from the vector it reads anyway, rather than behind a
+barrier of its own. Each is checked against a torch int64 reference of the chain (`no-barrier` excepted) and timed as
+graph replays between CUDA events; % = bytes / time / copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from ocriaquant.runtime.kernels.splitk import ctas_per_sm  # noqa: E402
+
+SMALL = 64 * 1024  # bytes under which a phase is a "small kernel" (norms, qk_norm_rope, merge)
+
+
+def step_phases(shape: str, context: int, lm_head: bool) -> list[tuple[str, int, int]]:
+    """(name, rows, bytes a row) of each kernel of the mixed plan's batch-1 step, in order."""
+    from ocriaquant.model.configs import SHAPES
+
+    t = SHAPES[shape]().text_config
+    h, inter = t.hidden_size, t.intermediate_size
+    kd, vd = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
+    qd, kvd = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    fp8 = h + 4                      # FP8 row + its fp32 scale
+    nvfp4 = lambda k: k // 2 + k // 16  # noqa: E731  packed E2M1 + an FP8 scale a 16-block
+    norm = ("norm", h, 4)            # a bf16 row in, a bf16 (or quantized) row out: a few KB
+    phases = []
+    for kind in t.layer_types:
+        phases.append(norm)
+        if kind == "linear_attention":
+            phases.append(("gdn_in_fp8", 2 * kd + 2 * vd + 2 * t.linear_num_value_heads, fp8))
+            state = t.linear_num_value_heads * t.linear_value_head_dim * t.linear_key_head_dim * 4
+            phases.append(("gdn_decode", t.linear_num_value_heads * t.linear_value_head_dim,
+                           2 * state // (t.linear_num_value_heads * t.linear_value_head_dim)))
+            phases.append(("gdn_out_fp8", h, vd + 4))
+        else:
+            phases.append(("qkv_fp8", 2 * qd + 2 * kvd, fp8))
+            phases.append(("qk_norm_rope", t.num_attention_heads + t.num_key_value_heads, 2 * t.head_dim * 2))
+            phases.append(("attn_chunk", 2 * t.num_key_value_heads * (context + 1), t.head_dim * 2))
+            phases.append(("attn_merge", t.num_attention_heads, t.head_dim * 4))
+            phases.append(("o_fp8", h, qd + 4))
+        phases.append(norm)
+        phases.append(("gate_up_nvfp4", 2 * inter, nvfp4(h)))
+        phases.append(("down_nvfp4", h, nvfp4(inter)))
+    phases.append(norm)
+    if lm_head:
+        phases.append(("lm_head_bf16", t.vocab_size, 2 * h))
+    return phases
+
+
+def tiny_phases() -> list[tuple[str, int, int]]:
+    """A small chain for the CPU test: phases of a few rows, one of them smaller than a tile."""
+    return [("a", 40, 1024), ("b", 8, 64), ("c", 72, 516), ("d", 24, 2048)]
+
+
+@triton.jit
+def _phase_tile(w_ptr, tab_ptr, p, i, pid, G, BN: tl.constexpr, BK: tl.constexpr):
+    """Pointers and mask of this CTA's i-th weight tile of phase p, and its unit's last tile flag."""
+    w_off = tl.load(tab_ptr + p * 8 + 0)
+    n = tl.load(tab_ptr + p * 8 + 1)
+    kw = tl.load(tab_ptr + p * 8 + 2)
+    splits = tl.load(tab_ptr + p * 8 + 3)
+    uk = tl.load(tab_ptr + p * 8 + 4)
+    tpu = uk // BK
+    u = pid + (i // tpu) * G
+    rb = u // splits
+    k0 = (u % splits) * uk + (i % tpu) * BK
+    k_end = tl.minimum((u % splits) * uk + uk, kw)
+    rows = rb * BN + tl.arange(0, BN)
+    cols = k0 + tl.arange(0, BK)
+    mask = (rows < n)[:, None] & (cols < k_end)[None, :]
+    return w_ptr + w_off + rows[:, None].to(tl.int64) * kw + cols[None, :], mask, rows, cols
+
+
+@triton.jit
+def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, p_lo, p_hi, P,
+                  BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr):
+    """Phases p_lo … p_hi - 1 of the chain (module docstring); table row p: w_off, N, K words, splits,
+    words a unit, out_off, in_off, in_len (int64); P phases in all. BARRIER: a grid barrier between phases (all CTAs
+    resident), bar_ptr[p] its arrive counter; bar_ptr[p_hi] counts CTAs done, and the last one resets them."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    # The first phase's first weight tile before waiting on anything: weights are constant.
+    w_ptrs, w_mask, _, _ = _phase_tile(w_ptr, tab_ptr, p_lo, 0, pid, G, BN, BK)
+    w_next = tl.load(w_ptrs, mask=w_mask, other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for p in range(p_lo, p_hi):
+        n = tl.load(tab_ptr + p * 8 + 1)
+        splits = tl.load(tab_ptr + p * 8 + 3)
+        uk = tl.load(tab_ptr + p * 8 + 4)
+        out_off = tl.load(tab_ptr + p * 8 + 5)
+        in_off = tl.load(tab_ptr + p * 8 + 6)
+        in_len = tl.load(tab_ptr + p * 8 + 7)
+        nxt = (p + 1) % P
+        z_off = tl.load(tab_ptr + nxt * 8 + 5)
+        z_len = tl.load(tab_ptr + nxt * 8 + 1)
+        for z in range(pid * BN * BK, z_len, G * BN * BK):  # zero the next phase's output
+            zr = z + tl.arange(0, BN * BK)
+            tl.store(buf_ptr + z_off + zr, tl.zeros([BN * BK], tl.int32), mask=zr < z_len)
+        tpu = uk // BK
+        units = tl.cdiv(n, BN) * splits
+        iters = tl.cdiv(units - pid, G) * tpu
+        acc = tl.zeros([BN], tl.int32)
+        for i in range(0, iters):
+            w = w_next
+            _, mask, rows, cols = _phase_tile(w_ptr, tab_ptr, p, i, pid, G, BN, BK)
+            if i + 1 < iters:  # one tile ahead
+                nptrs, nmask, _, _ = _phase_tile(w_ptr, tab_ptr, p, i + 1, pid, G, BN, BK)
+                w_next = tl.load(nptrs, mask=nmask, other=0)
+            x = tl.load(buf_ptr + in_off + cols % in_len, cache_modifier=".cg")
+            acc += tl.sum(tl.where(mask, w ^ x[None, :], 0), axis=1)  # masked words are 0, not 0 ^ x
+            if i % tpu == tpu - 1:
+                tl.atomic_add(buf_ptr + out_off + rows, acc, mask=rows < n, sem="relaxed")
+                acc = tl.zeros([BN], tl.int32)
+        if p + 1 < p_hi:
+            # The next phase's first tile, then the barrier: its weights stream while CTAs arrive.
+            nptrs, nmask, _, _ = _phase_tile(w_ptr, tab_ptr, p + 1, 0, pid, G, BN, BK)
+            w_next = tl.load(nptrs, mask=nmask, other=0)
+            if BARRIER:
+                tl.debug_barrier()
+                tl.atomic_add(bar_ptr + p, 1, sem="release")
+                seen = tl.atomic_add(bar_ptr + p, 0, sem="acquire")
+                while seen < G:
+                    seen = tl.atomic_add(bar_ptr + p, 0, sem="acquire")
+                tl.debug_barrier()
+    if BARRIER:
+        tl.debug_barrier()
+        done = tl.atomic_add(bar_ptr + p_hi, 1, sem="acq_rel")
+        if done == G - 1:  # every CTA is past every barrier: reset them for the next launch
+            for q in range(p_lo, p_hi + 1):
+                tl.atomic_xchg(bar_ptr + q, 0)
+
+
+class Chain:
+    """The chain's buffers: weights (random int32 words), one output buffer per phase, the table."""
+
+    def __init__(self, phases, device, ctas: int, bn: int, bk: int, seed: int = 0):
+        self.phases, self.device, self.bn, self.bk = phases, device, bn, bk
+        g = torch.Generator(device).manual_seed(seed)
+        rows, w_off, out_off, total_w, total_o = [], [], [], 0, 0
+        for _, n, nbytes in phases:
+            kw = max(1, nbytes // 4)
+            w_off.append(total_w)
+            out_off.append(total_o)
+            total_w += n * kw
+            total_o += n
+            rows.append((n, kw))
+        self.w = torch.randint(-2**31, 2**31 - 1, (total_w,), dtype=torch.int32, generator=g, device=device)
+        self.buf = torch.zeros(total_o, dtype=torch.int32, device=device)
+        self.x0 = torch.randint(-2**31, 2**31 - 1, (rows[-1][0],), dtype=torch.int32, generator=g, device=device)
+        tab = []
+        for p, (n, kw) in enumerate(rows):
+            blocks = -(-n // bn)
+            splits = max(1, min(-(-kw // bk), -(-ctas // blocks)))
+            uk = -(-(-(-kw // splits)) // bk) * bk
+            splits = -(-kw // uk)
+            q = (p - 1) % len(rows)
+            tab.append([w_off[p], n, kw, splits, uk, out_off[p], out_off[q], rows[q][0]])
+        self.table = torch.tensor(tab, dtype=torch.int64, device=device)
+        self.bar = torch.zeros(len(rows) + 1, dtype=torch.int32, device=device)
+        self.out_off, self.rows = out_off, rows
+
+    def bytes(self) -> int:
+        return sum(n * nbytes for _, n, nbytes in self.phases)
+
+    def reset(self):
+        """The state a pass starts from: the last phase's output holds x0, everything else zero."""
+        self.buf.zero_()
+        n = self.rows[-1][0]
+        self.buf[self.out_off[-1]:self.out_off[-1] + n] = self.x0
+
+    def output(self, p: int) -> torch.Tensor:
+        return self.buf[self.out_off[p]:self.out_off[p] + self.rows[p][0]]
+
+    def reference(self) -> list[torch.Tensor]:
+        """Each phase's output after one pass, summed in int64 (torch, on the chain's device) and wrapped to int32."""
+        outs, x = [], self.x0.to(torch.int64)
+        for p, (n, kw) in enumerate(self.rows):
+            w = self.w[int(self.table[p, 0]):int(self.table[p, 0]) + n * kw].to(torch.int64).view(n, kw)
+            xs = x[torch.arange(kw, device=x.device) % x.numel()]
+            y = (w ^ xs[None, :]).sum(1)
+            y = ((y + 2**31) % 2**32) - 2**31
+            outs.append(y)
+            x = y
+        return outs
+
+
+def launch(chain: Chain, variant: str, grid: int, warps: int):
+    """One pass of the chain as `variant` launches it (module docstring)."""
+    P = len(chain.rows)
+    common = dict(BN=chain.bn, BK=chain.bk, num_warps=warps)
+    if variant == "launches":
+        pdl = chain.device.type == "cuda"
+        for p in range(P):
+            units = -(-chain.rows[p][0] // chain.bn) * int(chain.table[p, 3])
+            _chain_kernel[(min(grid, units),)](chain.w, chain.buf, chain.table, chain.bar, p, p + 1, P,
+                                               PDL=pdl, BARRIER=False, launch_pdl=pdl, **common)
+    else:
+        _chain_kernel[(grid,)](chain.w, chain.buf, chain.table, chain.bar, 0, P, P, PDL=False,
+                               BARRIER=variant == "persistent", **common)
+
+
+def check(chain: Chain, variant: str, grid: int, warps: int) -> float:
+    """Largest mismatch count over the phases' outputs after one pass from reset (0: exact)."""
+    chain.reset()
+    launch(chain, variant, grid, warps)
+    ref = chain.reference()
+    bad = 0
+    for p in range(1, len(ref)):  # phase 0's output was zeroed by the last phase
+        got = chain.output(p).to(torch.int64)
+        bad = max(bad, int((got != ref[p]).sum()))
+    return bad
+
+
+def time_graph(fn, replays: int) -> float:
+    """ms per pass: median of 5 runs of `replays` replays of a graph holding one pass."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    runs_ms = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        runs_ms.append(a.elapsed_time(b) / replays)
+    return statistics.median(runs_ms)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3.5-4b")
+    ap.add_argument("--context", type=int, default=512, help="tokens in each attention layer's KV cache")
+    ap.add_argument("--lm-head", action="store_true", help="end the chain with the BF16 lm_head (1.27 GB at the 4B)")
+    ap.add_argument("--layers", type=int, default=0, help="only the first N layers' phases (0: all)")
+    ap.add_argument("--ctas-per-sm", default="2,4", help="persistent grids to try, CTAs a SM (comma-separated)")
+    ap.add_argument("--tiles", default="32x64x4,16x128x4,32x128x8",
+                    help="rows x words x warps of a weight tile (comma-separated)")
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_persistent.py: needs a CUDA device (it times CUDA graphs and spins on a grid barrier)")
+    dev = torch.device("cuda")
+    from ocriaquant.bench import copy_bandwidth
+
+    bw = copy_bandwidth(dev)
+    phases = step_phases(args.shape, args.context, args.lm_head)
+    if args.layers:
+        per = [i for i, ph in enumerate(phases) if ph[0] == "down_nvfp4"]
+        phases = phases[:per[args.layers - 1] + 1]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    folded = [ph for ph in phases if ph[1] * ph[2] >= SMALL]
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_tb_s": round(bw / 1e12, 3), "phases": len(phases), "phases_folded": len(folded),
+              "context": args.context, "lm_head": args.lm_head, "rows": []}
+    print(f"copy {bw / 1e12:.3f} TB/s; {len(phases)} phases, {len(folded)} over {SMALL // 1024} KB", flush=True)
+    for tile in args.tiles.split(","):
+        bn, bk, warps = (int(v) for v in tile.split("x"))
+        for cps in (int(c) for c in args.ctas_per_sm.split(",")):
+            grid = sms * cps
+            for chain_name, chain_phases in (("step", phases), ("folded", folded)):
+                chain = Chain(chain_phases, dev, grid, bn, bk)
+                roof = chain.bytes() / bw * 1e3
+                compiled = _chain_kernel.warmup(chain.w, chain.buf, chain.table, chain.bar, 0, 1, 1, BN=bn, BK=bk,
+                                                PDL=False, BARRIER=True, num_warps=warps, grid=(grid,))
+                fits = ctas_per_sm(compiled.n_regs, warps, compiled.metadata.shared)
+                if fits < cps:  # a grid barrier over CTAs that cannot all be resident never opens
+                    print(f"tile {tile}, {cps}/SM: only {fits} CTAs fit a SM ({compiled.n_regs} registers); skipped")
+                    break
+                for name in ("launches", "persistent", "no-barrier"):
+                    bad = None if name == "no-barrier" else check(chain, name, grid, warps)
+                    ms = time_graph(lambda c=chain, v=name: launch(c, v, grid, warps), args.replays)
+                    row = {"tile": tile, "ctas_per_sm": cps, "chain": chain_name, "variant": name,
+                           "ms": round(ms, 4), "roofline_ms": round(roof, 4), "pct": round(100 * roof / ms, 1),
+                           "mismatches": bad}
+                    report["rows"].append(row)
+                    print(f"tile {tile:>10} {cps}/SM {chain_name:>6} {name:>10}: {ms:.4f} ms, {row['pct']:5.1f} % "
+                          f"of {roof:.4f} ms{'' if bad is None else f', mismatches {bad}'}", flush=True)
+                del chain
+                torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

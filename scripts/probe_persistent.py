@@ -30,6 +30,11 @@ Each runs on the step's chain and on a `folded` one without the phases under 64 
 kernel would compute a norm in every CTA from the vector it reads anyway, rather than behind a
 barrier of its own. Each is checked against a torch int64 reference of the chain (`no-barrier` excepted) and timed as
 graph replays between CUDA events; % = bytes / time / copy bandwidth.
+
+Measured so far (BENCHMARKS.md, session 34, an H100): the first form was compute-bound (≤ 27 % of its bytes even
+without barriers; 64-bit addresses a word, a reduction every tile). In that setting a boundary cost ~1.6–2.0 µs as a
+PDL launch and ~3.1–3.4 µs as a grid barrier spun on with atomics. The present form (32-bit offsets, elementwise
+accumulation, spinning on loads) has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -91,76 +96,90 @@ def tiny_phases() -> list[tuple[str, int, int]]:
 
 
 @triton.jit
-def _phase_tile(w_ptr, tab_ptr, p, i, pid, G, BN: tl.constexpr, BK: tl.constexpr):
-    """Pointers and mask of this CTA's i-th weight tile of phase p, and its unit's last tile flag."""
-    w_off = tl.load(tab_ptr + p * 8 + 0)
-    n = tl.load(tab_ptr + p * 8 + 1)
-    kw = tl.load(tab_ptr + p * 8 + 2)
-    splits = tl.load(tab_ptr + p * 8 + 3)
-    uk = tl.load(tab_ptr + p * 8 + 4)
+def _phase_args(w_ptr, tab_ptr, p):
+    """Phase p's weights and geometry from the table: (weights, N, K words, splits, words a unit)."""
+    return (w_ptr + tl.load(tab_ptr + p * 8 + 0), tl.load(tab_ptr + p * 8 + 1).to(tl.int32),
+            tl.load(tab_ptr + p * 8 + 2).to(tl.int32), tl.load(tab_ptr + p * 8 + 3).to(tl.int32),
+            tl.load(tab_ptr + p * 8 + 4).to(tl.int32))
+
+
+@triton.jit
+def _phase_tile(w, n, kw, splits, uk, i, pid, G, BN: tl.constexpr, BK: tl.constexpr):
+    """This CTA's i-th [BN, BK] weight tile of a phase: (pointers, mask, rows, columns, column mask). Offsets in
+    int32 from the phase's base (a phase is under 2^31 words), as the runtime's GEMVs address."""
     tpu = uk // BK
     u = pid + (i // tpu) * G
-    rb = u // splits
-    k0 = (u % splits) * uk + (i % tpu) * BK
-    k_end = tl.minimum((u % splits) * uk + uk, kw)
-    rows = rb * BN + tl.arange(0, BN)
+    k_unit = (u % splits) * uk
+    k0 = k_unit + (i % tpu) * BK
+    rows = (u // splits) * BN + tl.arange(0, BN)
     cols = k0 + tl.arange(0, BK)
-    mask = (rows < n)[:, None] & (cols < k_end)[None, :]
-    return w_ptr + w_off + rows[:, None].to(tl.int64) * kw + cols[None, :], mask, rows, cols
+    cmask = cols < tl.minimum(k_unit + uk, kw)
+    return w + rows[:, None] * kw + cols[None, :], (rows < n)[:, None] & cmask[None, :], rows, cols, cmask
 
 
 @triton.jit
 def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, p_lo, p_hi, P,
-                  BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr,
+                  SPIN_LIMIT: tl.constexpr = 1 << 18):
     """Phases p_lo … p_hi - 1 of the chain (module docstring); table row p: w_off, N, K words, splits,
     words a unit, out_off, in_off, in_len (int64); P phases in all. BARRIER: a grid barrier between phases (all CTAs
-    resident), bar_ptr[p] its arrive counter; bar_ptr[p_hi] counts CTAs done, and the last one resets them."""
+    resident), bar_ptr[p] its arrive counter; bar_ptr[p_hi] counts CTAs done, and the last one resets them. A CTA that
+    spins SPIN_LIMIT times at a barrier sets bar_ptr[P + 1] and goes on (wrong sums, checked by the host): a
+    grid that does not fit on the GPU at once would otherwise hang the device (session 34, on an H100)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     # The first phase's first weight tile before waiting on anything: weights are constant.
-    w_ptrs, w_mask, _, _ = _phase_tile(w_ptr, tab_ptr, p_lo, 0, pid, G, BN, BK)
+    w, n, kw, splits, uk = _phase_args(w_ptr, tab_ptr, p_lo)
+    w_ptrs, w_mask, r0, c0, m0 = _phase_tile(w, n, kw, splits, uk, 0, pid, G, BN, BK)
     w_next = tl.load(w_ptrs, mask=w_mask, other=0)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     for p in range(p_lo, p_hi):
-        n = tl.load(tab_ptr + p * 8 + 1)
-        splits = tl.load(tab_ptr + p * 8 + 3)
-        uk = tl.load(tab_ptr + p * 8 + 4)
+        w, n, kw, splits, uk = _phase_args(w_ptr, tab_ptr, p)
         out_off = tl.load(tab_ptr + p * 8 + 5)
         in_off = tl.load(tab_ptr + p * 8 + 6)
-        in_len = tl.load(tab_ptr + p * 8 + 7)
+        in_len = tl.load(tab_ptr + p * 8 + 7).to(tl.int32)
         nxt = (p + 1) % P
         z_off = tl.load(tab_ptr + nxt * 8 + 5)
-        z_len = tl.load(tab_ptr + nxt * 8 + 1)
+        z_len = tl.load(tab_ptr + nxt * 8 + 1).to(tl.int32)
         for z in range(pid * BN * BK, z_len, G * BN * BK):  # zero the next phase's output
             zr = z + tl.arange(0, BN * BK)
             tl.store(buf_ptr + z_off + zr, tl.zeros([BN * BK], tl.int32), mask=zr < z_len)
         tpu = uk // BK
-        units = tl.cdiv(n, BN) * splits
-        iters = tl.cdiv(units - pid, G) * tpu
-        acc = tl.zeros([BN], tl.int32)
+        iters = tl.cdiv(tl.cdiv(n, BN) * splits - pid, G) * tpu
+        acc = tl.zeros([BN, BK], tl.int32)  # elementwise in the loop, reduced once a unit, as the GEMVs do
         for i in range(0, iters):
-            w = w_next
-            _, mask, rows, cols = _phase_tile(w_ptr, tab_ptr, p, i, pid, G, BN, BK)
+            wt = w_next
+            cur_ptrs, mask, rows, cols, cmask = _phase_tile(w, n, kw, splits, uk, i, pid, G, BN, BK)
             if i + 1 < iters:  # one tile ahead
-                nptrs, nmask, _, _ = _phase_tile(w_ptr, tab_ptr, p, i + 1, pid, G, BN, BK)
+                nptrs, nmask, nrows, ncols, ncmask = _phase_tile(w, n, kw, splits, uk, i + 1, pid, G, BN, BK)
                 w_next = tl.load(nptrs, mask=nmask, other=0)
-            x = tl.load(buf_ptr + in_off + cols % in_len, cache_modifier=".cg")
-            acc += tl.sum(tl.where(mask, w ^ x[None, :], 0), axis=1)  # masked words are 0, not 0 ^ x
+            # a masked word is 0 in both, so it adds 0 ^ 0
+            x = tl.load(buf_ptr + in_off + cols % in_len, mask=cmask, other=0,
+                        cache_modifier=".cg")
+            acc += wt ^ x[None, :]
             if i % tpu == tpu - 1:
-                tl.atomic_add(buf_ptr + out_off + rows, acc, mask=rows < n, sem="relaxed")
-                acc = tl.zeros([BN], tl.int32)
+                tl.atomic_add(buf_ptr + out_off + rows, tl.sum(acc, axis=1), mask=rows < n, sem="relaxed")
+                acc = tl.zeros([BN, BK], tl.int32)
         if p + 1 < p_hi:
             # The next phase's first tile, then the barrier: its weights stream while CTAs arrive.
-            nptrs, nmask, _, _ = _phase_tile(w_ptr, tab_ptr, p + 1, 0, pid, G, BN, BK)
+            w2, n2, kw2, splits2, uk2 = _phase_args(w_ptr, tab_ptr, p + 1)
+            nptrs, nmask, nrows, ncols, ncmask = _phase_tile(w2, n2, kw2, splits2, uk2, 0, pid, G, BN, BK)
             w_next = tl.load(nptrs, mask=nmask, other=0)
             if BARRIER:
                 tl.debug_barrier()
                 tl.atomic_add(bar_ptr + p, 1, sem="release")
+                # Spin on plain volatile loads, then acquire once: hundreds of CTAs spinning with atomics
+                # (read-modify-writes, serialized at L2) on the counter slow the arrivals they wait for.
+                seen = tl.load(bar_ptr + p, volatile=True)
+                spins = tl.load(bar_ptr + P + 1, volatile=True) * SPIN_LIMIT  # flagged already: do not spin
+                while (seen < G) & (spins < SPIN_LIMIT):
+                    seen = tl.load(bar_ptr + p, volatile=True)
+                    spins += 1
                 seen = tl.atomic_add(bar_ptr + p, 0, sem="acquire")
-                while seen < G:
-                    seen = tl.atomic_add(bar_ptr + p, 0, sem="acquire")
+                if seen < G:  # not every CTA is resident: give up, flag it (bar_ptr[P + 1]) rather than hang
+                    tl.atomic_xchg(bar_ptr + P + 1, 1)
                 tl.debug_barrier()
     if BARRIER:
         tl.debug_barrier()
@@ -196,7 +215,8 @@ class Chain:
             q = (p - 1) % len(rows)
             tab.append([w_off[p], n, kw, splits, uk, out_off[p], out_off[q], rows[q][0]])
         self.table = torch.tensor(tab, dtype=torch.int64, device=device)
-        self.bar = torch.zeros(len(rows) + 1, dtype=torch.int32, device=device)
+        self.tab_host = tab  # launch reads it while a graph captures, when the device's copy cannot be read
+        self.bar = torch.zeros(len(rows) + 2, dtype=torch.int32, device=device)  # + done count, + stuck flag
         self.out_off, self.rows = out_off, rows
 
     def bytes(self) -> int:
@@ -224,14 +244,16 @@ class Chain:
         return outs
 
 
-def launch(chain: Chain, variant: str, grid: int, warps: int):
+def launch(chain: Chain, variant: str, grid: int, warps: int, spin_limit: int | None = None):
     """One pass of the chain as `variant` launches it (module docstring)."""
     P = len(chain.rows)
     common = dict(BN=chain.bn, BK=chain.bk, num_warps=warps)
+    if spin_limit is not None:
+        common["SPIN_LIMIT"] = spin_limit
     if variant == "launches":
         pdl = chain.device.type == "cuda"
         for p in range(P):
-            units = -(-chain.rows[p][0] // chain.bn) * int(chain.table[p, 3])
+            units = -(-chain.rows[p][0] // chain.bn) * chain.tab_host[p][3]
             _chain_kernel[(min(grid, units),)](chain.w, chain.buf, chain.table, chain.bar, p, p + 1, P,
                                                PDL=pdl, BARRIER=False, launch_pdl=pdl, **common)
     else:
@@ -239,10 +261,15 @@ def launch(chain: Chain, variant: str, grid: int, warps: int):
                                BARRIER=variant == "persistent", **common)
 
 
-def check(chain: Chain, variant: str, grid: int, warps: int) -> float:
-    """Largest mismatch count over the phases' outputs after one pass from reset (0: exact)."""
+def check(chain: Chain, variant: str, grid: int, warps: int, spin_limit: int | None = None) -> int:
+    """Largest mismatch count over the phases' outputs after one pass from reset (0: exact); -1 where a
+    grid barrier gave up (its grid was not resident at once)."""
     chain.reset()
-    launch(chain, variant, grid, warps)
+    chain.bar.zero_()
+    launch(chain, variant, grid, warps, spin_limit)
+    if int(chain.bar[-1]):
+        chain.bar.zero_()
+        return -1
     ref = chain.reference()
     bad = 0
     for p in range(1, len(ref)):  # phase 0's output was zeroed by the last phase
@@ -281,7 +308,7 @@ def main() -> None:
     ap.add_argument("--lm-head", action="store_true", help="end the chain with the BF16 lm_head (1.27 GB at the 4B)")
     ap.add_argument("--layers", type=int, default=0, help="only the first N layers' phases (0: all)")
     ap.add_argument("--ctas-per-sm", default="2,4", help="persistent grids to try, CTAs a SM (comma-separated)")
-    ap.add_argument("--tiles", default="32x64x4,16x128x4,32x128x8",
+    ap.add_argument("--tiles", default="16x128x4,16x256x8,32x128x8",
                     help="rows x words x warps of a weight tile (comma-separated)")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
@@ -309,14 +336,22 @@ def main() -> None:
             for chain_name, chain_phases in (("step", phases), ("folded", folded)):
                 chain = Chain(chain_phases, dev, grid, bn, bk)
                 roof = chain.bytes() / bw * 1e3
-                compiled = _chain_kernel.warmup(chain.w, chain.buf, chain.table, chain.bar, 0, 1, 1, BN=bn, BK=bk,
+                # the launch's own specialization: Triton compiles an int argument of 1 as a constant, so a kernel
+                # warmed up with other phase bounds can hold fewer registers than the one that runs
+                P = len(chain.rows)
+                compiled = _chain_kernel.warmup(chain.w, chain.buf, chain.table, chain.bar, 0, P, P, BN=bn, BK=bk,
                                                 PDL=False, BARRIER=True, num_warps=warps, grid=(grid,))
+                compiled._init_handles()  # n_regs is filled in when the kernel is loaded, not at warmup
                 fits = ctas_per_sm(compiled.n_regs, warps, compiled.metadata.shared)
                 if fits < cps:  # a grid barrier over CTAs that cannot all be resident never opens
                     print(f"tile {tile}, {cps}/SM: only {fits} CTAs fit a SM ({compiled.n_regs} registers); skipped")
                     break
                 for name in ("launches", "persistent", "no-barrier"):
                     bad = None if name == "no-barrier" else check(chain, name, grid, warps)
+                    if bad == -1:
+                        print(f"tile {tile}, {cps}/SM {chain_name} {name}: a grid barrier gave up (not every CTA "
+                              "was resident); not timed", flush=True)
+                        continue
                     ms = time_graph(lambda c=chain, v=name: launch(c, v, grid, warps), args.replays)
                     row = {"tile": tile, "ctas_per_sm": cps, "chain": chain_name, "variant": name,
                            "ms": round(ms, 4), "roofline_ms": round(roof, 4), "pct": round(100 * roof / ms, 1),

@@ -66,3 +66,12 @@ def test_step_phases_follow_the_4b_shape():
     assert by_name["gate_up_nvfp4"] == (2 * 9216, 2560 // 2 + 2560 // 16)
     assert by_name["gdn_in_fp8"] == (2 * 2048 + 2 * 4096 + 64, 2564)
     assert by_name["gdn_decode"][0] * by_name["gdn_decode"][1] == 2 * 32 * 128 * 128 * 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs CTAs that run one after another (the interpreter)")
+def test_barrier_over_a_grid_not_resident_gives_up_rather_than_hangs():
+    probe = _probe()
+    chain = probe.Chain(probe.tiny_phases(), DEV, 2, 8, 16)
+    # the interpreter runs CTA 0 to its end before CTA 1 starts: CTA 0's first barrier can never open
+    assert probe.check(chain, "persistent", 2, 1, spin_limit=4) == -1
+    assert int(chain.bar.abs().sum()) == 0  # cleared for the next try

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -50,6 +49,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_step import replay_ms  # noqa: E402
+
 from ocriaquant.runtime.kernels.splitk import ctas_per_sm  # noqa: E402
 
 SMALL = 64 * 1024  # bytes under which a phase is a "small kernel" (norms, qk_norm_rope, merge)
@@ -279,7 +281,7 @@ def check(chain: Chain, variant: str, grid: int, warps: int, spin_limit: int | N
 
 
 def time_graph(fn, replays: int) -> float:
-    """ms per pass: median of 5 runs of `replays` replays of a graph holding one pass."""
+    """ms per pass: a graph holding one pass, timed by profile_step.replay_ms."""
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         fn()
@@ -289,16 +291,7 @@ def time_graph(fn, replays: int) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    runs_ms = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        runs_ms.append(a.elapsed_time(b) / replays)
-    return statistics.median(runs_ms)
+    return replay_ms(graph, replays)
 
 
 def main() -> None:

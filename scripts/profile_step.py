@@ -40,6 +40,11 @@ def graph_ms(rt, batch: int, context: int, replays: int = 50) -> tuple:
 
     rt.decode_step([0] * batch, list(range(batch)), [context] * batch, [0] * batch)  # captured by now
     graph = rt._graphs[next(b for b in BUCKETS if b >= batch)][0]
+    return replay_ms(graph, replays), graph
+
+
+def replay_ms(graph, replays: int) -> float:
+    """ms per replay of a CUDA graph: the median over 5 runs of `replays` back-to-back replays between events."""
     runs = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,7 +54,7 @@ def graph_ms(rt, batch: int, context: int, replays: int = 50) -> tuple:
         b.record()
         b.synchronize()
         runs.append(a.elapsed_time(b) / replays)
-    return statistics.median(runs), graph
+    return statistics.median(runs)
 
 
 def kernel_spans(graph, steps: int) -> list[dict]:

@@ -1,10 +1,25 @@
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 # Two cores on CI: more threads only add contention.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """load_script(name): scripts/<name>.py as a fresh module (scripts/ is not a package)."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

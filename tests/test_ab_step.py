@@ -1,7 +1,6 @@
 """scripts/ab_step.py's settings: a skip: variant's stand-in runs the real launcher once per call
 site, then hands back those outputs without launching, and undo puts the launcher back."""
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -14,18 +13,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _ab_step():
-    spec = importlib.util.spec_from_file_location("ab_step", Path(__file__).parents[1] / "scripts" / "ab_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_skip_setting_runs_each_call_site_once_then_launches_nothing(monkeypatch):
+def test_skip_setting_runs_each_call_site_once_then_launches_nothing(monkeypatch, load_script):
     from ocriaquant.runtime import kernels
     from ocriaquant.runtime.kernels import add_rmsnorm_ref
 
-    ab = _ab_step()
+    ab = load_script("ab_step")
     real = kernels.add_rmsnorm
     launches = []
 
@@ -52,19 +44,19 @@ def test_skip_setting_runs_each_call_site_once_then_launches_nothing(monkeypatch
     assert kernels.add_rmsnorm is counting
 
 
-def test_skip_setting_names_what_it_can_skip():
-    ab = _ab_step()
+def test_skip_setting_names_what_it_can_skip(load_script):
+    ab = load_script("ab_step")
     with pytest.raises(SystemExit, match="skip: takes one of add_rmsnorm"):
         ab.parse_setting("skip:gemv_fp8")
 
 
-def test_code_setting_runs_the_launcher_of_another_copy(tmp_path):
+def test_code_setting_runs_the_launcher_of_another_copy(tmp_path, load_script):
     """code:<launcher>=<file>: the launcher comes from the file (here add_rmsnorm.py with a marker
     added), its relative imports resolved in the kernels package; undo puts the real one back."""
     from ocriaquant.runtime import kernels
     from ocriaquant.runtime.kernels import add_rmsnorm_ref
 
-    ab = _ab_step()
+    ab = load_script("ab_step")
     src = Path(kernels.__file__).parent / "add_rmsnorm.py"
     copy = tmp_path / "add_rmsnorm_before.py"
     copy.write_text(src.read_text() + "\n\nadd_rmsnorm.from_copy = True\n")
@@ -87,7 +79,7 @@ def test_code_setting_runs_the_launcher_of_another_copy(tmp_path):
         ab.parse_setting(f"code:no_such_kernel={copy}")
 
 
-def test_forget_captures_drops_every_cached_tile(monkeypatch):
+def test_forget_captures_drops_every_cached_tile(monkeypatch, load_script):
     """Between variants ab_step drops the Linears' cached tiles, the FP8 tensor-core ones above batch 1
     too, so a variant's OCRIAQUANT_TILE_fp8_dot_* override reaches the GEMV; tile_names lists it."""
     import importlib
@@ -96,7 +88,7 @@ def test_forget_captures_drops_every_cached_tile(monkeypatch):
     from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
     from ocriaquant.runtime.layers import QuantLinear
 
-    ab = _ab_step()
+    ab = load_script("ab_step")
     gf = importlib.import_module("ocriaquant.runtime.kernels.gemv_fp8")  # the module, not the function
     seen = []
     monkeypatch.setattr(gf, "gemv_dot", lambda *a, **kw: seen.append(kw) or gemv_dot(*a, **kw))

@@ -3,9 +3,7 @@ exactly (so what is timed is the full, dependent work), against an int64 referen
 independently; a changed weight word shows in every phase after it. Under the interpreter the CTAs of a
 launch run one after another, so the persistent kernel's grid barrier is exercised with one CTA."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,14 +13,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get
                                 reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _probe():
-    spec = importlib.util.spec_from_file_location("probe_persistent",
-                                                  Path(__file__).parents[1] / "scripts" / "probe_persistent.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _numpy_chain(chain):
@@ -38,8 +28,8 @@ def _numpy_chain(chain):
 
 
 @pytest.mark.parametrize("variant,grid", [("launches", 3), ("launches", 1), ("persistent", 1)])
-def test_chain_variants_compute_every_phase(variant, grid):
-    probe = _probe()
+def test_chain_variants_compute_every_phase(variant, grid, load_script):
+    probe = load_script("probe_persistent")
     chain = probe.Chain(probe.tiny_phases(), DEV, grid, 8, 16)
     expect = _numpy_chain(chain)
     assert all(np.array_equal(r.cpu().numpy().astype(np.int32), e) for r, e in zip(chain.reference(), expect))
@@ -56,8 +46,8 @@ def test_chain_variants_compute_every_phase(variant, grid):
     assert all((chain.output(p).cpu().numpy() != expect[p]).any() for p in range(2, len(expect)))
 
 
-def test_step_phases_follow_the_4b_shape():
-    probe = _probe()
+def test_step_phases_follow_the_4b_shape(load_script):
+    probe = load_script("probe_persistent")
     phases = probe.step_phases("qwen3.5-4b", 512, lm_head=True)
     names = [name for name, _, _ in phases]
     assert names.count("gdn_decode") == 24 and names.count("attn_chunk") == 8 and names[-1] == "lm_head_bf16"
@@ -69,8 +59,8 @@ def test_step_phases_follow_the_4b_shape():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs CTAs that run one after another (the interpreter)")
-def test_barrier_over_a_grid_not_resident_gives_up_rather_than_hangs():
-    probe = _probe()
+def test_barrier_over_a_grid_not_resident_gives_up_rather_than_hangs(load_script):
+    probe = load_script("probe_persistent")
     chain = probe.Chain(probe.tiny_phases(), DEV, 2, 8, 16)
     # the interpreter runs CTA 0 to its end before CTA 1 starts: CTA 0's first barrier can never open
     assert probe.check(chain, "persistent", 2, 1, spin_limit=4) == -1

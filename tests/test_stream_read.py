@@ -1,7 +1,6 @@
 """scripts/bench_kernels.py's floor kernel: stream_read xors exactly the words it claims to read
 (so its timings are of a real, complete read), and its configurations cover the bytes asked."""
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -15,17 +14,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _bench_kernels():
-    spec = importlib.util.spec_from_file_location("bench_kernels",
-                                                  Path(__file__).parents[1] / "scripts" / "bench_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("programs,iters,block", [(5, 1, 128), (3, 3, 256), (2, 6, 512)])
-def test_stream_read_xors_every_word_it_reads(programs, iters, block):
-    bk = _bench_kernels()
+def test_stream_read_xors_every_word_it_reads(programs, iters, block, load_script):
+    bk = load_script("bench_kernels")
     g = torch.Generator().manual_seed(programs * 100 + iters)
     src = torch.randint(-2**31, 2**31 - 1, (programs * iters * block + 77,), dtype=torch.int32, generator=g).to(DEV)
     out = torch.full((programs,), -1, dtype=torch.int32, device=DEV)
@@ -40,10 +31,10 @@ def test_stream_read_xors_every_word_it_reads(programs, iters, block):
     assert int(out[-1]) == int(expect[-1]) ^ 1 and np.array_equal(out[:-1].cpu().numpy(), expect[:-1])
 
 
-def test_stream_read_folds_in_the_activations_it_reads():
+def test_stream_read_folds_in_the_activations_it_reads(load_script):
     """With x, every program's word also holds the xor of x's words (independent numpy reduction),
     and flipping one bit of x flips it in every program's word: the read cannot be skipped."""
-    bk = _bench_kernels()
+    bk = load_script("bench_kernels")
     g = torch.Generator().manual_seed(7)
     src = torch.randint(-2**31, 2**31 - 1, (3 * 2 * 256,), dtype=torch.int32, generator=g).to(DEV)
     x = torch.randint(-2**31, 2**31 - 1, (64,), dtype=torch.int32, generator=g).to(DEV)
@@ -59,15 +50,15 @@ def test_stream_read_folds_in_the_activations_it_reads():
         bk.stream_read(src, out, 2, 256, x=x[:60])
 
 
-def test_stream_read_refuses_to_read_past_its_source():
-    bk = _bench_kernels()
+def test_stream_read_refuses_to_read_past_its_source(load_script):
+    bk = load_script("bench_kernels")
     src = torch.zeros(1000, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="past a source"):
         bk.stream_read(src, torch.empty(2, dtype=torch.int32, device=DEV), 1, 512)
 
 
-def test_stream_configs_read_nearly_all_and_never_past_the_bytes():
-    bk = _bench_kernels()
+def test_stream_configs_read_nearly_all_and_never_past_the_bytes(load_script):
+    bk = load_script("bench_kernels")
     for words in (2560 * 4096 // 4, 2560 * 9216 // 8, 18432 * 2560 // 4 + 18432 // 2):
         cfgs = bk.stream_configs(words, 132)
         assert cfgs
@@ -78,7 +69,7 @@ def test_stream_configs_read_nearly_all_and_never_past_the_bytes():
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("n,k", [(2560, 4096), (2560, 9216), (12288, 2560)])
-def test_m1_tile_sweep_candidates_compute_the_product(fmt, n, k):
+def test_m1_tile_sweep_candidates_compute_the_product(fmt, n, k, load_script):
     """Every batch-1 tile `--only m1` sweeps on an N = 2560 shape or a K = 2560 input projection (the
     rule first, then only tiles whose block_k divides K) computes the GEMV, on a few rows at the
     shape's full K: a timing in that sweep is always of a correct kernel."""
@@ -87,7 +78,7 @@ def test_m1_tile_sweep_candidates_compute_the_product(fmt, n, k):
     from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs, pack_m1
     from ocriaquant.runtime.kernels.tiles import m1_tile
 
-    bk = _bench_kernels()
+    bk = load_script("bench_kernels")
     cands = bk.m1_candidates(fmt, n, k)
     assert cands[0] == m1_tile(fmt, n, k) and len(cands) > 1
     assert all(k % c["block_k"] == 0 for c in cands)

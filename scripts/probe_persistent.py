@@ -23,8 +23,8 @@ The variants (one kernel source, so only the phase boundary differs):
   its GEMVs: each CTA loads its first weight tile, waits on the kernel before, then lets the next
   launch (splitk.wait_for_inputs, PDL 1).
 - `persistent`: one launch of `--ctas-per-sm` CTAs a SM (all resident), phases separated by a grid
-  barrier (an arrive counter per phase, acq_rel, spun on); each CTA loads its next phase's first
-  weight tile before it arrives, as the PDL kernel does before its wait.
+  barrier (an arrive counter per phase: a release add, volatile loads spun on, one acquire); each CTA
+  loads its next phase's first weight tile before it arrives, as the PDL kernel does before its wait.
 - `no-barrier`: the persistent kernel with no barrier at all (wrong sums): the ceiling of the chain.
 Each runs on the step's chain and on a `folded` one without the phases under 64 KB: a persistent
 kernel would compute a norm in every CTA from the vector it reads anyway, rather than behind a

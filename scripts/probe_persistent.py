@@ -210,10 +210,10 @@ class Chain:
         self.x0 = torch.randint(-2**31, 2**31 - 1, (rows[-1][0],), dtype=torch.int32, generator=g, device=device)
         tab = []
         for p, (n, kw) in enumerate(rows):
-            blocks = -(-n // bn)
-            splits = max(1, min(-(-kw // bk), -(-ctas // blocks)))
-            uk = -(-(-(-kw // splits)) // bk) * bk
-            splits = -(-kw // uk)
+            # as splitk.launch_plan splits K, but aiming at this grid's CTAs rather than 4 a SM
+            splits = max(1, min(triton.cdiv(kw, bk), triton.cdiv(ctas, triton.cdiv(n, bn))))
+            uk = triton.cdiv(triton.cdiv(kw, splits), bk) * bk
+            splits = triton.cdiv(kw, uk)
             q = (p - 1) % len(rows)
             tab.append([w_off[p], n, kw, splits, uk, out_off[p], out_off[q], rows[q][0]])
         self.table = torch.tensor(tab, dtype=torch.int64, device=device)
@@ -237,7 +237,8 @@ class Chain:
         """Each phase's output after one pass, summed in int64 (torch, on the chain's device) and wrapped to int32."""
         outs, x = [], self.x0.to(torch.int64)
         for p, (n, kw) in enumerate(self.rows):
-            w = self.w[int(self.table[p, 0]):int(self.table[p, 0]) + n * kw].to(torch.int64).view(n, kw)
+            off = self.tab_host[p][0]
+            w = self.w[off:off + n * kw].to(torch.int64).view(n, kw)
             xs = x[torch.arange(kw, device=x.device) % x.numel()]
             y = (w ^ xs[None, :]).sum(1)
             y = ((y + 2**31) % 2**32) - 2**31
@@ -255,7 +256,7 @@ def launch(chain: Chain, variant: str, grid: int, warps: int, spin_limit: int | 
     if variant == "launches":
         pdl = chain.device.type == "cuda"
         for p in range(P):
-            units = -(-chain.rows[p][0] // chain.bn) * chain.tab_host[p][3]
+            units = triton.cdiv(chain.rows[p][0], chain.bn) * chain.tab_host[p][3]
             _chain_kernel[(min(grid, units),)](chain.w, chain.buf, chain.table, chain.bar, p, p + 1, P,
                                                PDL=pdl, BARRIER=False, launch_pdl=pdl, **common)
     else:

@@ -20,7 +20,7 @@ def _numpy_chain(chain):
     w = chain.w.cpu().numpy().view(np.uint32)
     x, outs = chain.x0.cpu().numpy().view(np.uint32), []
     for p, (n, kw) in enumerate(chain.rows):
-        off = int(chain.table[p, 0])
+        off = chain.tab_host[p][0]
         y = (w[off:off + n * kw].reshape(n, kw) ^ x[np.arange(kw) % x.size][None, :]).sum(1, dtype=np.uint32)
         outs.append(y.view(np.int32))
         x = y
@@ -38,7 +38,7 @@ def test_chain_variants_compute_every_phase(variant, grid, load_script):
         assert np.array_equal(chain.output(p).cpu().numpy(), expect[p])
     if variant == "persistent":
         assert int(chain.bar.abs().sum()) == 0  # the last CTA reset the barrier for the next launch
-    chain.w[int(chain.table[1, 0]) + 3] ^= 1  # one word of phase 1's first row
+    chain.w[chain.tab_host[1][0] + 3] ^= 1  # one word of phase 1's first row
     chain.reset()
     probe.launch(chain, variant, grid, 1)
     assert chain.output(1)[0] != int(expect[1][0]) and np.array_equal(chain.output(1)[1:].cpu().numpy(),

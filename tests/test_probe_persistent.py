@@ -27,23 +27,29 @@ def _numpy_chain(chain):
     return outs
 
 
-@pytest.mark.parametrize("variant,grid", [("launches", 3), ("launches", 1), ("persistent", 1)])
+@pytest.mark.parametrize("variant,grid", [("launches", 3), ("launches", 1), ("persistent", 1), ("flags", 1),
+                                          ("dataflow", 1), ("dataflow-all", 1)])
 def test_chain_variants_compute_every_phase(variant, grid, load_script):
     probe = load_script("probe_persistent")
     chain = probe.Chain(probe.tiny_phases(), DEV, grid, 8, 16)
     expect = _numpy_chain(chain)
     assert all(np.array_equal(r.cpu().numpy().astype(np.int32), e) for r, e in zip(chain.reference(), expect))
     assert probe.check(chain, variant, grid, 1) == 0
+    dataflow = variant.startswith("dataflow")
     for p in range(1, len(expect)):  # phase 0's output is zeroed by the last phase, for the next pass
-        assert np.array_equal(chain.output(p).cpu().numpy(), expect[p])
-    if variant == "persistent":
-        assert int(chain.bar.abs().sum()) == 0  # the last CTA reset the barrier for the next launch
+        assert np.array_equal(chain.output(p, dataflow).cpu().numpy(), expect[p])
+    if variant in ("persistent", "flags"):
+        assert int(chain.bar.abs().sum()) == 0 and int(chain.flags.abs().sum()) == 0  # reset for the next launch
+    if dataflow:  # every row block of every phase counted all its split-K units
+        for p, row in enumerate(chain.tab_host):
+            nb = -(-row[1] // chain.bn)
+            assert chain.cnt[row[8]:row[8] + nb].tolist() == [row[3]] * nb
     chain.w[chain.tab_host[1][0] + 3] ^= 1  # one word of phase 1's first row
     chain.reset()
     probe.launch(chain, variant, grid, 1)
     assert chain.output(1)[0] != int(expect[1][0]) and np.array_equal(chain.output(1)[1:].cpu().numpy(),
                                                                        expect[1][1:])
-    assert all((chain.output(p).cpu().numpy() != expect[p]).any() for p in range(2, len(expect)))
+    assert all((chain.output(p, dataflow).cpu().numpy() != expect[p]).any() for p in range(2, len(expect)))
 
 
 def test_step_phases_follow_the_4b_shape(load_script):
@@ -59,9 +65,10 @@ def test_step_phases_follow_the_4b_shape(load_script):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs CTAs that run one after another (the interpreter)")
-def test_barrier_over_a_grid_not_resident_gives_up_rather_than_hangs(load_script):
+@pytest.mark.parametrize("variant", ["persistent", "flags", "dataflow"])
+def test_barrier_over_a_grid_not_resident_gives_up_rather_than_hangs(variant, load_script):
     probe = load_script("probe_persistent")
     chain = probe.Chain(probe.tiny_phases(), DEV, 2, 8, 16)
-    # the interpreter runs CTA 0 to its end before CTA 1 starts: CTA 0's first barrier can never open
-    assert probe.check(chain, "persistent", 2, 1, spin_limit=4) == -1
-    assert int(chain.bar.abs().sum()) == 0  # cleared for the next try
+    # the interpreter runs CTA 0 to its end before CTA 1 starts: CTA 0's first wait on CTA 1 can never end
+    assert probe.check(chain, variant, 2, 1, spin_limit=4) == -1
+    assert int(chain.bar.abs().sum()) == 0 and int(chain.flags.abs().sum()) == 0  # cleared for the next try

@@ -133,6 +133,21 @@ def _phase_tile(w, n, kw, splits, uk, i, pid, G, BN: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
+def _spin_until(addr, target, bar_ptr, P, SPIN_LIMIT: tl.constexpr):
+    """Wait until the int32 at addr reaches target: spin on plain volatile loads, then acquire once. Hundreds of CTAs
+    spinning with atomics (read-modify-writes, serialized at L2) would slow the writes they wait for. A CTA that spins
+    SPIN_LIMIT times (or finds bar_ptr[P + 1] set) gives up and sets bar_ptr[P + 1] rather than hang."""
+    seen = tl.load(addr, volatile=True)
+    spins = tl.load(bar_ptr + P + 1, volatile=True) * SPIN_LIMIT  # flagged already: do not spin
+    while (seen < target) & (spins < SPIN_LIMIT):
+        seen = tl.load(addr, volatile=True)
+        spins += 1
+    seen = tl.atomic_add(addr, 0, sem="acquire")
+    if seen < target:  # not every CTA is resident: give up, flag it rather than hang
+        tl.atomic_xchg(bar_ptr + P + 1, 1)
+
+
+@triton.jit
 def _wait_inputs(cnt_ptr, bar_ptr, tab_ptr, p, u, kw, splits, uk, P, BN: tl.constexpr, DATAFLOW: tl.constexpr,
                  SPIN_LIMIT: tl.constexpr, FENCE: tl.constexpr):
     """Dataflow: before unit u of phase p reads its inputs, wait until every row block of phase p - 1 it depends on
@@ -208,7 +223,6 @@ def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, flag_ptr, cnt_ptr, p_lo, p_h
         out_off = tl.load(tab_ptr + p * TW + 5)
         in_off = tl.load(tab_ptr + p * TW + 6)
         in_len = tl.load(tab_ptr + p * TW + 7).to(tl.int32)
-        c_off = tl.load(tab_ptr + p * TW + 8)
         if DATAFLOW == 0:
             nxt = (p + 1) % P
             z_off = tl.load(tab_ptr + nxt * TW + 5)
@@ -221,6 +235,7 @@ def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, flag_ptr, cnt_ptr, p_lo, p_h
         acc = tl.zeros([BN, BK], tl.int32)  # elementwise in the loop, reduced once a unit, as the GEMVs do
         for i in range(0, iters):
             wt = w_next
+            u = pid + (i // tpu) * G  # this tile's split-K unit
             cur_ptrs, mask, rows, cols, cmask = _phase_tile(w, n, kw, splits, uk, i, pid, G, BN, BK)
             if i + 1 < iters:  # one tile ahead
                 nptrs, nmask, nrows, ncols, ncmask = _phase_tile(w, n, kw, splits, uk, i + 1, pid, G, BN, BK)
@@ -228,8 +243,7 @@ def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, flag_ptr, cnt_ptr, p_lo, p_h
             if DATAFLOW != 0:
                 # phase 0 reads the pass before's output, ready at launch; waiting on all blocks, once a phase will do
                 if (p > 0) & (i % tpu == 0) & ((DATAFLOW == 1) | (i == 0)):
-                    _wait_inputs(cnt_ptr, bar_ptr, tab_ptr, p, pid + (i // tpu) * G, kw, splits, uk, P, BN,
-                                 DATAFLOW, SPIN_LIMIT, FENCE)
+                    _wait_inputs(cnt_ptr, bar_ptr, tab_ptr, p, u, kw, splits, uk, P, BN, DATAFLOW, SPIN_LIMIT, FENCE)
             # a masked word is 0 in both, so it adds 0 ^ 0
             x = tl.load(buf_ptr + in_off + cols % in_len, mask=cmask, other=0,
                         cache_modifier=".cg")
@@ -239,7 +253,7 @@ def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, flag_ptr, cnt_ptr, p_lo, p_h
                 acc = tl.zeros([BN, BK], tl.int32)
                 if DATAFLOW != 0:  # every thread's sums, then one release: the unit's row block has one more
                     tl.debug_barrier()
-                    tl.atomic_add(cnt_ptr + c_off + (pid + (i // tpu) * G) // splits, 1, sem="release")
+                    tl.atomic_add(cnt_ptr + tl.load(tab_ptr + p * TW + 8) + u // splits, 1, sem="release")
         if p + 1 < p_hi:
             # The next phase's first tile, then the barrier: its weights stream while CTAs arrive.
             w2, n2, kw2, splits2, uk2 = _phase_args(w_ptr, tab_ptr, p + 1)
@@ -248,16 +262,7 @@ def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, flag_ptr, cnt_ptr, p_lo, p_h
             if BARRIER == 1:
                 tl.debug_barrier()
                 tl.atomic_add(bar_ptr + p, 1, sem="release")
-                # Spin on plain volatile loads, then acquire once: hundreds of CTAs spinning with atomics
-                # (read-modify-writes, serialized at L2) on the counter slow the arrivals they wait for.
-                seen = tl.load(bar_ptr + p, volatile=True)
-                spins = tl.load(bar_ptr + P + 1, volatile=True) * SPIN_LIMIT  # flagged already: do not spin
-                while (seen < G) & (spins < SPIN_LIMIT):
-                    seen = tl.load(bar_ptr + p, volatile=True)
-                    spins += 1
-                seen = tl.atomic_add(bar_ptr + p, 0, sem="acquire")
-                if seen < G:  # not every CTA is resident: give up, flag it (bar_ptr[P + 1]) rather than hang
-                    tl.atomic_xchg(bar_ptr + P + 1, 1)
+                _spin_until(bar_ptr + p, G, bar_ptr, P, SPIN_LIMIT)
                 tl.debug_barrier()
             if BARRIER == 2:
                 # Arrive in a tree: CTA pid on sub-counter pid % NS, the last of each sub on the top counter, the
@@ -277,14 +282,7 @@ def _chain_kernel(w_ptr, buf_ptr, tab_ptr, bar_ptr, flag_ptr, cnt_ptr, p_lo, p_h
                             fo = f0 + tl.arange(0, 128)
                             tl.atomic_xchg(flag_ptr + fo * 32, tl.zeros([128], tl.int32) + p + 1, mask=fo < G,
                                            sem="release")
-                seen = tl.load(flag_ptr + pid * 32, volatile=True)
-                spins = tl.load(bar_ptr + P + 1, volatile=True) * SPIN_LIMIT
-                while (seen <= p) & (spins < SPIN_LIMIT):
-                    seen = tl.load(flag_ptr + pid * 32, volatile=True)
-                    spins += 1
-                seen = tl.atomic_add(flag_ptr + pid * 32, 0, sem="acquire")
-                if seen <= p:
-                    tl.atomic_xchg(bar_ptr + P + 1, 1)
+                _spin_until(flag_ptr + pid * 32, p + 1, bar_ptr, P, SPIN_LIMIT)
                 tl.debug_barrier()
     if BARRIER != 0:
         tl.debug_barrier()

@@ -2,6 +2,7 @@
 TRITON_INTERPRET=1 at small shapes (the README's test command sets it); scripts/bench_kernels.py
 runs the same checks at Qwen3.5-4B shapes on the GPU."""
 
+import importlib
 import os
 
 import pytest
@@ -118,6 +119,38 @@ def test_gemv_nvfp4_m1_rule_tiles(n, k):
     if tile.get("split_k", 1) > 1:
         parts = gemv_nvfp4(x, packed, scales, gs, path="fma", partials=True, **tile).parts
         assert parts.shape[0] == tile["split_k"] and rel(parts.double().sum(0), ref) <= 1e-2
+
+
+@pytest.mark.parametrize("pure", [0, 1])
+@pytest.mark.parametrize("block_n,block_k,warps,split", [(64, 512, 8, 1), (16, 256, 4, 2), (8, 1024, 2, 2)])
+def test_gemv_nvfp4_m1_load_forms(monkeypatch, pure, block_n, block_k, warps, split):
+    """The batch-1 kernel with its activations and block scales read either way (gemv_nvfp4.M1_PURE: laid out as
+    the tile uses them, on K-tiles of up to 512; or converted into its layout), on tiles of both kinds: against
+    float64, and with one-hot activations exactly the dequantized weight's columns, over a zero block and a
+    ragged last row tile."""
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
+
+    # the module: the package's gemv_nvfp4 is the function
+    gemv_nvfp4_module = importlib.import_module("ocriaquant.runtime.kernels.gemv_nvfp4")
+    monkeypatch.setattr(gemv_nvfp4_module, "M1_PURE", pure)
+    assert gemv_nvfp4_module.pure_loads(block_k, False) == (pure == 1 and block_k <= 512)
+    assert not gemv_nvfp4_module.pure_loads(block_k, True)
+    n, k = 76, 2 * split * block_k  # 76: a ragged last row tile at 8, 16 and 64 rows
+    torch.manual_seed(block_k + pure)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    w[3, 16:32] = 0
+    packed, scales, gs = nvfp4.quantize_weight(w)
+    tile = dict(block_n=block_n, block_k=block_k, num_warps=warps, split_k=split, path="fma")
+    x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
+    out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), **tile)
+    assert torch.isfinite(out).all() and rel(out, gemv_nvfp4_ref(x, packed, scales, gs)) <= 1e-2
+    want = nvfp4.dequantize(packed, scales, gs)
+    tile["split_k"] = 1  # reduced in the kernel, whose bf16 cast truncates under the interpreter (rounding.py)
+    for j in (0, 17, block_k + 5, k - 1):  # both words and halves of a block, a later K-tile, the last column
+        one_hot = torch.zeros(1, k, dtype=torch.bfloat16, device=DEV)
+        one_hot[0, j] = 1
+        assert torch.equal(gemv_nvfp4(one_hot, packed, scales, gs, **tile)[0], want[:, j]), j
 
 
 @pytest.mark.parametrize("n,k,split,parts", [(48, 512, None, 1), (40, 768, 2, 3), (40, 640, 2, 16), (64, 1024, 4, 4)])

@@ -29,11 +29,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .half2 import M1_LAYOUT, e2m1_times_2m14, load_pairs, load_pairs_v4, nvfp4_block_dot, store_nvfp4_pairs
+from .half2 import (M1_LAYOUT, e2m1_times_2m14, load_after, load_pairs, load_pairs_v4, nvfp4_block_dot,
+                    store_nvfp4_pairs)
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (Partials, launch_plan, partials_view, pdl_launch, split_tile, store_or_reduce, store_row,
-                     use_pdl, wait_for_inputs, whole_tile_mask)
+from .splitk import (Partials, after_wait, launch_plan, partials_view, pdl_launch, split_tile, store_or_reduce,
+                     store_row, use_pdl, wait_for_inputs, whole_tile_mask)
+
+# Whether the batch-1 kernel reads its activations and block scales laid out as its tile uses them (PURE: pure
+# asm loads, half2.load_pairs_v4 with `after`, and scale offsets of contiguity 2), on the launches where that
+# measured faster: K-tiles of at most 512 outside gemv_nvfp4_silu. Before, Triton converted the activation words
+# and the block sums between layouts every K-tile, through shuffles or shared memory and barriers (4-24 bar.sync
+# a tile, sm_90 SASS). On an H100 (BENCHMARKS.md, session 36) the nvfp4 plan's batch-1 step took 2.324 -> 2.186
+# ms, gdn_in 12288×2560 alone 9.1 -> 8.0 µs, the lm_head 127 -> 121 µs; the mixed plan's is level (1.902 /
+# 1.904 ms: its NVFP4 GEMVs are the two excluded). Excluded because they lost: the wide K-tiles (2560×4096 on
+# 4 × 4096, 3.4 -> 3.7 µs; down_proj on 8 × 1024, 8.3 -> 8.8 µs), on which ptxas issues the last activation and
+# scale loads halfway through the tile's arithmetic, and gemv_nvfp4_silu in the mixed step (+5 µs). Loading the
+# next tile's activations a pass ahead fixed the issue order and lost more. 0 (OCRIAQUANT_NVFP4_M1_PURE=0): the
+# loads before, everywhere; read at every launch.
+M1_PURE = int(os.environ.get("OCRIAQUANT_NVFP4_M1_PURE", "1"))
+
+
+def pure_loads(block_k: int, silu: bool) -> bool:
+    """M1_PURE's rule for one batch-1 launch."""
+    return M1_PURE == 1 and block_k <= 512 and not silu
 
 
 @triton.jit
@@ -78,7 +97,7 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
 
 @triton.jit
 def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_end, BN: tl.constexpr,
-               NB: tl.constexpr, INTERPRET: tl.constexpr, WHOLE: tl.constexpr):
+               NB: tl.constexpr, INTERPRET: tl.constexpr, WHOLE: tl.constexpr, PURE: tl.constexpr = True):
     """Blocks b0 … b0+NB-1 (masked at b_end) of rows rn: each block's two words, as one
     [BN, 2·NB] load split in registers, and the block scales (E4M3 codes under the interpreter,
     whose E4M3 conversion is unreliable: rounding.py). WHOLE: the split's K range is whole tiles,
@@ -96,7 +115,11 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
     v = tl.load(w_ptr + rn[:, None] * stride_wn + 2 * b0 + rw[None, :], mask=vmask, other=0,
                 eviction_policy="evict_first")
     v0, v1 = tl.split(tl.reshape(v, (BN, NB, 2)))
-    s_off = rn[:, None] * stride_sn + kb[None, :]
+    if PURE:  # the same offsets, of contiguity 2: 2-byte loads, in the layout of the blocks' words (v0, v1)
+        rs = tl.arange(0, NB)
+        s_off = rn[:, None] * stride_sn + (b0 + (rs // 2) * 2 + rs % 2)[None, :]
+    else:  # 8 or 16 contiguous bytes a thread, whose layout Triton converts the block sums into every tile
+        s_off = rn[:, None] * stride_sn + kb[None, :]
     if INTERPRET:
         s = tl.load(sc_ptr + s_off, mask=wmask, other=0).to(tl.int32)
     else:
@@ -108,7 +131,8 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
 def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, hw_ptr, hs_ptr, N,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
-                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr):
+                          SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
+                          PURE: tl.constexpr = True):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -131,24 +155,29 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         b_first = tl.multiple_of(b_first, 16)
     b_end = k_end // 16
     v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
-                           INTERPRET, WHOLE)
+                           INTERPRET, WHOLE, PURE)
     gs = tl.load(gs_ptr)  # here, not after the loop: mixed batch 1 on an H200 1.643 -> 1.635 ms (session 23)
     wait_for_inputs(PDL)
+    after = after_wait(b_first) if V4 and PURE else 0  # orders the pure activation loads behind the wait
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
     for b0 in range(b_first, b_end, NB):
         n0, n1, ns = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0 + NB, b_end, BN, NB,
-                                INTERPRET, WHOLE)  # the next tile (masked off after the last)
+                                INTERPRET, WHOLE, PURE)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
-        if V4:  # whole tiles, 16-byte aligned pairs, GPU: each block's eight words in two 16-byte loads
-            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xw_ptr + kb * 8)
+        if V4 and PURE:  # whole tiles, 16-byte aligned pairs, GPU: laid out as the tile uses them (see PURE)
+            xs = load_after(xs_ptr + kb, after).to(tl.float32, bitcast=True)
+            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xw_ptr + kb * 8, after)
         else:
-            p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
-        if WHOLE:  # the tile is in range as a whole: unmasked, the block scales load 16 bytes at a time
-            xs = tl.load(xs_ptr + kb)
-        else:
-            xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
+            if WHOLE:  # the tile is in range as a whole: unmasked, the block scales load 16 bytes at a time
+                xs = tl.load(xs_ptr + kb)
+            else:
+                xs = tl.load(xs_ptr + kb, mask=bmask, other=0.0)
+            if V4:  # each block's eight words in two 16-byte loads
+                p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xw_ptr + kb * 8)
+            else:
+                p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs(xw_ptr + kb * 8, bmask)
         part = nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX)
         if INTERPRET:
             acc += part * (e4m3_value(s) * xs[None, :])
@@ -254,7 +283,8 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0),
                k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
-               PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp)
+               PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
+               PURE=pure_loads(block_k, silu_out is not None))
     return partials_view(ws, grid[1], n) if partials else out
 
 

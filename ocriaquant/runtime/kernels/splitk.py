@@ -208,6 +208,15 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
+def after_wait(x):
+    """x (a scalar), passed through a non-pure asm: called after wait_for_inputs, the value cannot be had
+    before the wait, so a pure asm load that takes it as an operand (half2.load_pairs_v4's `after`) cannot
+    be moved above the wait either. A mov, where a tl.load after the wait would do the same with a memory
+    round trip before the first such load."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN: tl.constexpr, SPLIT_K: tl.constexpr,
               PARTIALS: tl.constexpr, INTERPRET: tl.constexpr):
     """The batch-1 GEMVs' epilogue for this CTA's fp32 outputs y [BN]: with PARTIALS only its

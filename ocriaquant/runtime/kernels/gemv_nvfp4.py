@@ -43,10 +43,10 @@ from .splitk import (Partials, after_wait, launch_plan, partials_view, pdl_launc
 # a tile, sm_90 SASS). On an H100 (BENCHMARKS.md, session 36) the nvfp4 plan's batch-1 step took 2.324 -> 2.186
 # ms, gdn_in 12288×2560 alone 9.1 -> 8.0 µs, the lm_head 127 -> 121 µs; the mixed plan's is level (1.902 /
 # 1.904 ms: its NVFP4 GEMVs are the two excluded). Excluded because they lost: the wide K-tiles (2560×4096 on
-# 4 × 4096, 3.4 -> 3.7 µs; down_proj on 8 × 1024, 8.3 -> 8.8 µs), on which ptxas issues the last activation and
-# scale loads halfway through the tile's arithmetic, and gemv_nvfp4_silu in the mixed step (+5 µs). Loading the
-# next tile's activations a pass ahead fixed the issue order and lost more. 0 (OCRIAQUANT_NVFP4_M1_PURE=0): the
-# loads before, everywhere; read at every launch.
+# 4 × 4096, 3.4 -> 3.7 µs; down_proj on 8 × 1024, 8.3 -> 8.8 µs) and gemv_nvfp4_silu in the mixed step (+5 µs).
+# Why is not settled: ptxas issues their last activation and scale loads halfway through a tile's arithmetic, but
+# loading the next tile's activations a pass ahead put them first and lost more. 0 (OCRIAQUANT_NVFP4_M1_PURE=0):
+# the loads before, everywhere; read at every launch.
 M1_PURE = int(os.environ.get("OCRIAQUANT_NVFP4_M1_PURE", "1"))
 
 
@@ -97,7 +97,7 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
 
 @triton.jit
 def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_end, BN: tl.constexpr,
-               NB: tl.constexpr, INTERPRET: tl.constexpr, WHOLE: tl.constexpr, PURE: tl.constexpr = True):
+               NB: tl.constexpr, INTERPRET: tl.constexpr, WHOLE: tl.constexpr, PURE: tl.constexpr):
     """Blocks b0 … b0+NB-1 (masked at b_end) of rows rn: each block's two words, as one
     [BN, 2·NB] load split in registers, and the block scales (E4M3 codes under the interpreter,
     whose E4M3 conversion is unreliable: rounding.py). WHOLE: the split's K range is whole tiles,
@@ -132,7 +132,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                           SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                          PURE: tl.constexpr = True):
+                          PURE: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a

@@ -44,8 +44,8 @@ from .splitk import (Partials, after_wait, launch_plan, partials_view, pdl_launc
 # ms, gdn_in 12288×2560 alone 9.1 -> 8.0 µs, the lm_head 127 -> 121 µs; the mixed plan's is level (1.902 /
 # 1.904 ms: its NVFP4 GEMVs are the two excluded). Excluded because they lost: the wide K-tiles (2560×4096 on
 # 4 × 4096, 3.4 -> 3.7 µs; down_proj on 8 × 1024, 8.3 -> 8.8 µs) and gemv_nvfp4_silu in the mixed step (+5 µs).
-# Why is not settled: ptxas issues their last activation and scale loads halfway through a tile's arithmetic, but
-# loading the next tile's activations a pass ahead put them first and lost more. 0 (OCRIAQUANT_NVFP4_M1_PURE=0):
+# On the wide K-tiles the weight block scales' 2-byte loads alone cost as much: with only their offsets changed
+# (activations read as before) they took 3.70 and 9.02 µs; why is not settled. 0 (OCRIAQUANT_NVFP4_M1_PURE=0):
 # the loads before, everywhere; read at every launch.
 M1_PURE = int(os.environ.get("OCRIAQUANT_NVFP4_M1_PURE", "1"))
 

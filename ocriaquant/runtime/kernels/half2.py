@@ -110,7 +110,7 @@ def load_pairs_v4(p, after=None):
     tl.load, and the eight words are eight tensors. In gemv_nvfp4's batch-1 loop they were 16 of a
     thread's 29 loads a tile; ncu had its L1/TEX pipe 77 % busy (DRAM 31 %) and warps waiting on it
     44 % of the time. With these the mixed plan's batch-1 step went from 2.175 to
-    2.091 ms on an H200 (BENCHMARKS.md, session 14); gemv_fp8 gained nothing and keeps load_pairs.
+    2.091 ms on an H200 (BENCHMARKS.md, session 14; gemv_fp8 gained nothing from them then).
 
     after None: a non-pure asm, which a compiler may not move above the PDL wait that orders it after
     its producer — but which keeps the default layout of its shape, so that its results are converted
@@ -120,20 +120,13 @@ def load_pairs_v4(p, after=None):
     wait (splitk.after_wait); the asm is then pure, so Triton lays it out as its users need, and takes
     `after` as an operand it does not read, so it cannot be moved above the wait either."""
     a = p.to(tl.int64, bitcast=True)
-    if after is None:
-        x0, x1, x2, x3 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [a],
-                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False,
-                                                   pack=1)
-        x4, x5, x6, x7 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4+16];", "=r,=r,=r,=r,l",
-                                                   [a], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                   is_pure=False, pack=1)
-    else:
-        x0, x1, x2, x3 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l,r",
-                                                   [a, after], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                   is_pure=True, pack=1)
-        x4, x5, x6, x7 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4+16];", "=r,=r,=r,=r,l,r",
-                                                   [a, after], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                   is_pure=True, pack=1)
+    dep = 0 if after is None else after  # the unread operand: a constant where the asm is not pure
+    x0, x1, x2, x3 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l,r", [a, dep],
+                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                               is_pure=after is not None, pack=1)
+    x4, x5, x6, x7 = tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4+16];", "=r,=r,=r,=r,l,r",
+                                               [a, dep], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                               is_pure=after is not None, pack=1)
     return (x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :])
 
 

@@ -121,21 +121,21 @@ def test_gemv_nvfp4_m1_rule_tiles(n, k):
         assert parts.shape[0] == tile["split_k"] and rel(parts.double().sum(0), ref) <= 1e-2
 
 
-@pytest.mark.parametrize("pure", [0, 1])
+@pytest.mark.parametrize("pure", [0, 1, 2])
 @pytest.mark.parametrize("block_n,block_k,warps,split", [(64, 512, 8, 1), (16, 256, 4, 2), (8, 1024, 2, 2)])
 def test_gemv_nvfp4_m1_load_forms(monkeypatch, pure, block_n, block_k, warps, split):
     """The batch-1 kernel with its activations and block scales read either way (gemv_nvfp4.M1_PURE: laid out as
-    the tile uses them, on K-tiles of up to 512; or converted into its layout), on tiles of both kinds: against
-    float64, and with one-hot activations exactly the dequantized weight's columns, over a zero block and a
-    ragged last row tile."""
+    the tile uses them, on K-tiles of up to 512, or with 2 on every tile; or converted into its layout), on tiles
+    of both kinds: against float64, and with one-hot activations exactly the dequantized weight's columns, over a
+    zero block and a ragged last row tile."""
     from ocriaquant.quant import nvfp4
     from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
 
     # the module: the package's gemv_nvfp4 is the function
     gemv_nvfp4_module = importlib.import_module("ocriaquant.runtime.kernels.gemv_nvfp4")
     monkeypatch.setattr(gemv_nvfp4_module, "M1_PURE", pure)
-    assert gemv_nvfp4_module.pure_loads(block_k, False) == (pure == 1 and block_k <= 512)
-    assert not gemv_nvfp4_module.pure_loads(block_k, True)
+    assert gemv_nvfp4_module.pure_loads(block_k, False) == (pure == 2 or (pure == 1 and block_k <= 512))
+    assert gemv_nvfp4_module.pure_loads(block_k, True) == (pure == 2)
     n, k = 76, 2 * split * block_k  # 76: a ragged last row tile at 8, 16 and 64 rows
     torch.manual_seed(block_k + pure)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5

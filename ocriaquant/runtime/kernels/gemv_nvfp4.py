@@ -46,13 +46,14 @@ from .splitk import (Partials, after_wait, launch_plan, partials_view, pdl_launc
 # 4 × 4096, 3.4 -> 3.7 µs; down_proj on 8 × 1024, 8.3 -> 8.8 µs) and gemv_nvfp4_silu in the mixed step (+5 µs).
 # On the wide K-tiles the weight block scales' 2-byte loads alone cost as much: with only their offsets changed
 # (activations read as before) they took 3.70 and 9.02 µs; why is not settled. 0 (OCRIAQUANT_NVFP4_M1_PURE=0):
-# the loads before, everywhere; read at every launch.
+# the loads before, everywhere; 2: the pure loads everywhere, the SiLU gate_up too (what probes compare the rule
+# with); the variable read at import, M1_PURE at every launch.
 M1_PURE = int(os.environ.get("OCRIAQUANT_NVFP4_M1_PURE", "1"))
 
 
 def pure_loads(block_k: int, silu: bool) -> bool:
     """M1_PURE's rule for one batch-1 launch."""
-    return M1_PURE == 1 and block_k <= 512 and not silu
+    return M1_PURE == 2 or (M1_PURE == 1 and block_k <= 512 and not silu)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ float64 on a poisoned output and timed as bench_kernels times it (graphs of >= 6
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -25,6 +26,8 @@ from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_tok
 from ocriaquant.runtime.kernels.gemv_dot import gemv_dot  # noqa: E402
 from ocriaquant.runtime.kernels.tiles import dot_tile  # noqa: E402
 
+gemv_dot_module = importlib.import_module("ocriaquant.runtime.kernels.gemv_dot")
+
 # (block_n, block_k, num_warps, num_stages): splits
 TILES = {(64, 256, 4, 6): (1, 2, 3, 4), (64, 256, 4, 4): (1, 2, 4), (64, 128, 4, 8): (1, 2, 3, 4),
          (64, 128, 4, 6): (2, 4), (128, 128, 4, 4): (1, 2, 4), (128, 256, 4, 3): (2, 4), (64, 512, 4, 3): (2, 4)}
@@ -35,6 +38,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("probe_fp8_dot_n2560.json"))
     ap.add_argument("--shape", default="2560x4096", help="N x K")
     ap.add_argument("--batches", default="32,64")
+    ap.add_argument("--maxnreg", default="",
+                    help="a comma list of register caps (Triton's maxnreg) to time the rule tile under")
+    ap.add_argument("--rule-only", action="store_true", help="no TILES sweep: the rule and its --maxnreg caps")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_fp8_dot_n2560: needs a CUDA GPU (it times the kernel)")
@@ -56,7 +62,17 @@ def main() -> None:
               flush=True)
         rows.append(dict(m=m, tile="rule", rule_tile=dot_tile("fp8", n, k, m), us=round(rule, 2),
                          pct=round(100 * nbytes / (rule * 1e-6) / bw, 1)))
-        for (bn, bkk, nw, st), splits in TILES.items():
+        launch = gemv_dot_module.pdl_launch
+        for cap in (int(v) for v in args.maxnreg.split(",") if v):
+            gemv_dot_module.pdl_launch = lambda *a, cap=cap, **kw: launch(*a, maxnreg=cap, **kw)
+            try:
+                us = timed(lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i]), f"rule, maxnreg {cap}")
+            finally:
+                gemv_dot_module.pdl_launch = launch
+            pct = round(100 * nbytes / (us * 1e-6) / bw, 1)
+            rows.append(dict(m=m, tile="rule", maxnreg=cap, us=round(us, 2), pct=pct))
+            print(f"M={m:<3d} rule, maxnreg {cap:<3d} {us:6.2f} us {pct:5.1f} %", flush=True)
+        for (bn, bkk, nw, st), splits in {} if args.rule_only else TILES.items():
             for sp in splits:
                 c = dict(block_n=bn, block_k=bkk, num_warps=nw, num_stages=st, split_k=sp)
                 try:

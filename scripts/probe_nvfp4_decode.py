@@ -21,10 +21,12 @@ loads and scales included, as it is):
   what a decoder with one op a pair would cost;
 - none: the words multiplied as they are (no decode): the kernel with its decode removed.
 
-`--maxnreg auto` caps each launch's registers (Triton's maxnreg) at the most that keeps its grid one wave: the
-wide-K tiles sit at that edge (2560×4096 on 4 × 4096, 4 warps: 640 CTAs, 5 a SM up to 102 registers; down_proj on
-8 × 1024, 2 warps, split 3: 960 CTAs, 8 a SM up to 128), and the device's Triton 3.6 gives more registers than the
-offline 3.9 (96 and 124 there). Every row records the registers and CTAs a SM of the kernel that ran.
+`--maxnreg` caps each launch's registers (Triton's maxnreg; a comma list, each timed): -1 the most that keeps its grid
+one wave (2560×4096 on 4 × 4096, 4 warps: 640 CTAs, 5 a SM up to 102 registers; down_proj on 8 × 1024, 2 warps,
+split 3: 960 CTAs, 8 a SM up to 128). A cap also changes how ptxas schedules: without one it kept the 8 × 1024 tile
+at 96 registers and issued most of the next K-tile's weight loads only after the current tile's activations had
+arrived (Triton 3.6's sm_90 SASS, offline). `--sweep` times more tiles of the two wide-K shapes. Every row records
+the registers and CTAs a SM of the kernel that ran.
 """
 
 from __future__ import annotations
@@ -76,14 +78,16 @@ def one_wave_cap(ctas: int, warps: int, sms: int, regs_per_sm: int = 65536) -> i
     return min(255, regs_per_sm // (per_sm * warps * 32) // 8 * 8)
 
 
-def capped_launch(maxnreg: int, seen: list):
-    """gemv_nvfp4's pdl_launch with maxnreg added (-1: one_wave_cap of the launch; 0: none), noting each launch's
-    compiled registers and CTAs a SM in `seen`."""
+def capped_launch(cap: list, seen: list):
+    """gemv_nvfp4's pdl_launch with maxnreg cap[0] in place of the tile's (-1: one_wave_cap of the launch; 0: none,
+    the compiler's choice), noting each launch's compiled registers and CTAs a SM in `seen`."""
     launch = gemv_nvfp4_module.pdl_launch
     props = torch.cuda.get_device_properties(0)
 
     def wrapped(kernel, grid, pdl, rows, *args, **kwargs):
         ctas = math.prod(grid)
+        maxnreg = cap[0]
+        kwargs.pop("maxnreg", None)  # the tile's own cap (tiles.m1_tile): each row says which cap it ran under
         if maxnreg:
             kwargs["maxnreg"] = one_wave_cap(ctas, kwargs["num_warps"], props.multi_processor_count) \
                 if maxnreg < 0 else maxnreg
@@ -99,36 +103,42 @@ def capped_launch(maxnreg: int, seen: list):
 SHAPES = {"gdn_in (qkv+z)": ((12288, 2560), ()),
           "gdn_out / attn_o": ((2560, 4096), ((8, 4096, 4, 1), (4, 4096, 2, 1))),
           "mlp_down": ((2560, 9216), ((32, 1024, 8, 3), (4, 1024, 2, 1)))}
+SWEEP = {"gdn_out / attn_o": ((2560, 4096), ((8, 4096, 4, 1), (8, 4096, 8, 1), (16, 4096, 8, 1), (8, 2048, 4, 2))),
+         "mlp_down": ((2560, 9216), ((16, 1024, 4, 3), (32, 1024, 8, 3), (16, 1024, 2, 3), (8, 1024, 4, 3)))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=("exact", "mask", "none"), default="exact")
     ap.add_argument("--out", type=Path, default=Path("probe_nvfp4_decode.json"))
-    ap.add_argument("--maxnreg", type=int, default=0,
-                    help="registers a thread at most (Triton's maxnreg): 0 the compiler's choice, -1 the most that "
-                         "keeps each launch's grid one wave")
+    ap.add_argument("--maxnreg", default="0",
+                    help="registers a thread at most (Triton's maxnreg), a comma list, each timed: 0 the compiler's "
+                         "choice, -1 the most that keeps each launch's grid one wave")
+    ap.add_argument("--sweep", action="store_true", help="the wide-K shapes' SWEEP tiles instead of SHAPES'")
     ap.add_argument("--profile", action="store_true",
                     help="launch each tile twice, untimed, and stop: for ncu (-k regex:gemv_nvfp4_m1)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("probe_nvfp4_decode: needs a CUDA GPU (it times the kernel)")
     half2._NVFP4_BLOCK_PTX = tl.constexpr(block_ptx(args.variant))  # before the kernel's first compile
-    seen = []
-    gemv_nvfp4_module.pdl_launch = capped_launch(args.maxnreg, seen)
+    seen, cap = [], [0]
+    caps = [int(v) for v in args.maxnreg.split(",")]
+    gemv_nvfp4_module.pdl_launch = capped_launch(cap, seen)
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda"))
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}: copy {bw / 1e12:.2f} TB/s; variant {args.variant}", flush=True)
     rows = []
-    for name, ((n, k), extra) in SHAPES.items():
+    for name, ((n, k), extra) in (SWEEP if args.sweep else SHAPES).items():
         _, _, WP, gs = bk.weight_copies(n, k)
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
         pairs = nvfp4_x_pairs(x)
         outs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for _ in WP]
         nbytes = n * k // 2 + n * k // 16 + k * 2 + n * 2
         tiles = [m1_tile("nvfp4", n, k)] + [dict(block_n=a, block_k=b, num_warps=c, split_k=d) for a, b, c, d in extra]
-        for i, tile in enumerate(tiles):
+        for i, (tile, c) in enumerate((t, c) for t in tiles for c in caps):
+            cap[0] = c  # read by capped_launch
+
             def call(j, tile=tile):
                 return gemv_nvfp4(None, WP[j][0], WP[j][1], gs, out=outs[j], x_pairs=pairs, m1=WP[j][2], **tile)
             outs[0].fill_(float("nan"))
@@ -142,7 +152,7 @@ def main() -> None:
                 continue
             us = bk.graph_time_us(bk.cycled([lambda j=j: call(j) for j in range(len(WP))]))
             pct = round(100 * nbytes / (us * 1e-6) / bw, 1)
-            rows.append(dict(shape=name, n=n, k=k, tile=tile, rule=i == 0, us=round(us, 2), pct=pct,
+            rows.append(dict(shape=name, n=n, k=k, tile=tile, rule=i < len(caps), us=round(us, 2), pct=pct,
                              rel_err=err, **seen[-1]))
             print(f"{name:18s} {str(tile):62s} {us:6.2f} us {pct:5.1f} %  (rel err {err:.1e}; {seen[-1]})",
                   flush=True)
@@ -151,7 +161,7 @@ def main() -> None:
     if args.profile:
         return
     args.out.write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "copy_tb_s": round(bw / 1e12, 3),
-                                    "variant": args.variant, "maxnreg": args.maxnreg,
+                                    "variant": args.variant, "maxnreg": caps, "sweep": args.sweep,
                                     "block_ptx": block_ptx(args.variant), "rows": rows}, indent=1))
 
 

@@ -145,6 +145,8 @@ def test_gemv_nvfp4_m1_load_forms(monkeypatch, pure, block_n, block_k, warps, sp
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), **tile)
     assert torch.isfinite(out).all() and rel(out, gemv_nvfp4_ref(x, packed, scales, gs)) <= 1e-2
+    # a register cap (tiles.m1_tile's maxnreg; on the GPU a different compile) sums the same blocks the same way
+    assert torch.equal(gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), maxnreg=128, **tile), out)
     want = nvfp4.dequantize(packed, scales, gs)
     tile["split_k"] = 1  # reduced in the kernel, whose bf16 cast truncates under the interpreter (rounding.py)
     for j in (0, 17, block_k + 5, k - 1):  # both words and halves of a block, a later K-tile, the last column
@@ -757,7 +759,7 @@ def test_nvfp4_x_pairs_equal_reference():
 def test_tile_override_replaces_the_rule_for_one_shape(monkeypatch):
     """OCRIAQUANT_TILE_<kind>_<n>x<k> (how tiles are re-swept inside the decode step) replaces the
     built-in tile of that one shape; a malformed value names the variable and the expected form."""
-    from ocriaquant.runtime.kernels.tiles import m1_tile
+    from ocriaquant.runtime.kernels.tiles import dot_tile, m1_tile
 
     rule = m1_tile("nvfp4", 2560, 9216)
     monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x9216", "32,1024,4,2")
@@ -765,7 +767,11 @@ def test_tile_override_replaces_the_rule_for_one_shape(monkeypatch):
     assert m1_tile("fp8", 2560, 9216) != m1_tile("nvfp4", 2560, 9216)  # other kinds and shapes keep theirs
     monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_silu_18432x2560", "64,512,8")
     assert m1_tile("nvfp4_silu", 18432, 2560) == dict(block_n=64, block_k=512, num_warps=8)
-    for bad in ("64,512", "64,500,8", "a,b,c", "64,512,8,0"):
+    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x4096", "8,4096,4,1,168")  # NVFP4's fifth: a register cap
+    assert m1_tile("nvfp4", 2560, 4096) == dict(block_n=8, block_k=4096, num_warps=4, split_k=1, maxnreg=168)
+    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_2560x4096", "64,256,4,1,6")  # fp8_dot's: the pipeline's depth
+    assert dot_tile("fp8", 2560, 4096, 32) == dict(block_n=64, block_k=256, num_warps=4, split_k=1, num_stages=6)
+    for bad in ("64,512", "64,500,8", "a,b,c", "64,512,8,0", "8,4096,4,1,0", "8,4096,4,1,168,2"):
         monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x9216", bad)
         with pytest.raises(ValueError, match="OCRIAQUANT_TILE_nvfp4_2560x9216"):
             m1_tile("nvfp4", 2560, 9216)

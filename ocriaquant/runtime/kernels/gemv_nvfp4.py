@@ -268,7 +268,7 @@ def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = Fa
 
 
 def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx, pdl,
-               device, out=None, silu_out=None, partials=False):
+               device, out=None, silu_out=None, partials=False, maxnreg=None):
     words, scales = m1
     if words.shape != (n, k // 8) or scales.shape != (n, k // 16):
         raise ValueError(f"gemv_nvfp4: batch-1 weight words {tuple(words.shape)} / scales {tuple(scales.shape)} "
@@ -280,12 +280,14 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
     partials = partials and silu_out is None and grid[1] > 1
     whole = k % block_k == 0  # every split is whole K-tiles: no K mask needed
     hw, hs = silu_out if silu_out is not None else (out, out)
+    # A register cap (tiles.m1_tile) is also a scheduling hint: see tiles.py. The interpreter has no registers.
+    cap = {"maxnreg": maxnreg} if maxnreg and not interp else {}
     pdl_launch(_gemv_nvfp4_m1_kernel, grid, pdl, 1, xw, xs, words, scales.view(torch.uint8), scales,
                w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0),
                k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
                PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-               PURE=pure_loads(block_k, silu_out is not None))
+               PURE=pure_loads(block_k, silu_out is not None), **cap)
     return partials_view(ws, grid[1], n) if partials else out
 
 
@@ -294,14 +296,16 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                path: str = "auto", ptx: bool = True, pdl: bool | None = None,
                x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
-               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False) -> torch.Tensor | Partials:
+               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False,
+               maxnreg: int | None = None) -> torch.Tensor | Partials:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
     ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops).
     x_pairs: x as nvfp4_x_pairs gives it, already written by the producer (M = 1 path only;
     None: made here, one more launch; x may then be None). m1: the weight as pack_m1 gives it,
     made once at load (M = 1 path; None: packed here, for tests and one-off calls). partials: on
-    the M = 1 path, when K is split, the splits' fp32 sums unreduced (partials.Partials)."""
+    the M = 1 path, when K is split, the splits' fp32 sums unreduced (partials.Partials). maxnreg:
+    the M = 1 kernel's register cap (Triton's; None: the compiler's choice; tiles.m1_tile)."""
     n = w_packed.shape[0]
     m, k = (1, w_packed.shape[1] * 2) if x is None else x.shape
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
@@ -316,7 +320,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
         xw, xs = x_pairs if x_pairs is not None else nvfp4_x_pairs(x.contiguous())
         m1 = pack_m1(w_packed, w_scale) if m1 is None else m1
         return _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx,
-                          pdl, device, out=out, partials=partials)
+                          pdl, device, out=out, partials=partials, maxnreg=maxnreg)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),

@@ -64,10 +64,20 @@ N = 2560 shapes, which have only 40 row tiles: K = 4096 (out_proj / o_proj) now 
 11.22 µs against 9.44 / 11.08 / 13.10 for split 6 / 6 / 2). For K = 2560 the deeper pipelines
 were 8-20 % slower.
 
+Register caps (Triton's maxnreg) on the batch-1 NVFP4 kernel, session 38 on an H100 (BENCHMARKS.md): a cap is
+also a scheduling hint to ptxas, which without one kept the down_proj tile at 96 registers and issued most of the
+next K-tile's weight loads only after the current tile's activations arrived. Alone, a cap made the wide-K tiles
+faster (down_proj 8 × 1024 at 128 registers: 8.24-8.41 -> 7.70-7.93 µs; 2560×4096 on 8 × 4096 at 168: 3.31 ->
+3.18-3.20 µs against the rule's 4 × 4096); inside the step they were slower (mixed batch 1 1.926 -> 1.946 ms with the
+down_proj cap; nvfp4 2.201 -> 2.206 with the 8 × 4096 one), so no rule sets one. A likely reason, not measured:
+more registers a CTA (down_proj 10 -> 8 CTAs a SM) leave fewer CTAs room beside the kernel before, which a PDL launch
+overlaps. The override's fifth number for kind nvfp4 sets a cap, to sweep one inside the step.
+
 OCRIAQUANT_TILE_<kind>_<n>x<k>="block_n,block_k,num_warps[,split_k]" replaces the rule for one
 shape (kind: bf16, fp8, fp8_qx (the FP8 GEMV that quantizes its input), nvfp4, nvfp4_silu, and
 fp8_dot for the tensor-core path at every batch above 1, which also takes the pipeline's depth:
-"block_n,block_k,num_warps,split_k,num_stages"):
+"block_n,block_k,num_warps,split_k,num_stages"; nvfp4 takes a register cap there,
+"block_n,block_k,num_warps,split_k,maxnreg"):
 how a tile is re-swept inside the decode step, or tuned for a GPU other than the H200, without
 editing code.
 """
@@ -144,10 +154,12 @@ def tile_override(kind: str, n: int, k: int) -> dict | None:
         v = [int(t) for t in value.split(",")]
     except ValueError:
         v = []
-    lengths = (3,) if kind == "nvfp4_silu" else (3, 4, 5) if kind.endswith("_dot") else (3, 4)
+    lengths = (3,) if kind == "nvfp4_silu" else (3, 4, 5) if kind.endswith("_dot") or kind == "nvfp4" else (3, 4)
     if len(v) not in lengths or min(v) <= 0 or any(t & (t - 1) for t in v[:3]):
         raise ValueError(f"{name}={value!r}: expected 'block_n,block_k,num_warps[,split_k]' (no split_k for "
-                         "nvfp4_silu; fp8_dot also takes ',num_stages' after split_k), positive integers, the "
-                         "first three powers of two (e.g. 128,512,8,8); unset it to use the built-in rule")
+                         "nvfp4_silu; fp8_dot also takes ',num_stages' after split_k, nvfp4 ',maxnreg'), "
+                         "positive integers, the first three powers of two (e.g. 128,512,8,8); unset it to use the "
+                         "built-in rule")
+    fifth = "num_stages" if kind.endswith("_dot") else "maxnreg"
     return dict(block_n=v[0], block_k=v[1], num_warps=v[2], **({"split_k": v[3]} if len(v) >= 4 else {}),
-                **({"num_stages": v[4]} if len(v) == 5 else {}))
+                **({fifth: v[4]} if len(v) == 5 else {}))

@@ -280,7 +280,8 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
     partials = partials and silu_out is None and grid[1] > 1
     whole = k % block_k == 0  # every split is whole K-tiles: no K mask needed
     hw, hs = silu_out if silu_out is not None else (out, out)
-    # A register cap (tiles.m1_tile) is also a scheduling hint: see tiles.py. The interpreter has no registers.
+    # A register cap (a tile override's fifth number) is also a scheduling hint: see tiles.py. The interpreter
+    # has no registers.
     cap = {"maxnreg": maxnreg} if maxnreg and not interp else {}
     pdl_launch(_gemv_nvfp4_m1_kernel, grid, pdl, 1, xw, xs, words, scales.view(torch.uint8), scales,
                w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0),
@@ -305,7 +306,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
     None: made here, one more launch; x may then be None). m1: the weight as pack_m1 gives it,
     made once at load (M = 1 path; None: packed here, for tests and one-off calls). partials: on
     the M = 1 path, when K is split, the splits' fp32 sums unreduced (partials.Partials). maxnreg:
-    the M = 1 kernel's register cap (Triton's; None: the compiler's choice; tiles.m1_tile)."""
+    the M = 1 kernel's register cap (Triton's; None: the compiler's choice; see tiles.py)."""
     n = w_packed.shape[0]
     m, k = (1, w_packed.shape[1] * 2) if x is None else x.shape
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):

@@ -71,11 +71,10 @@ def block_ptx(variant: str) -> str:
     return "\n".join(lines)
 
 
-def one_wave_cap(ctas: int, warps: int, sms: int, regs_per_sm: int = 65536) -> int:
+def one_wave_cap(ctas: int, warps: int, sms: int) -> int:
     """The most registers a thread (a multiple of 8, the allocation unit) that let `ctas` CTAs of `warps` warps
-    all be resident at once on `sms` SMs."""
-    per_sm = math.ceil(ctas / sms)
-    return min(255, regs_per_sm // (per_sm * warps * 32) // 8 * 8)
+    all be resident at once on `sms` SMs, by splitk.ctas_per_sm's count."""
+    return max(r for r in range(8, 256, 8) if splitk.ctas_per_sm(r, warps, 0) * sms >= ctas)
 
 
 def capped_launch(cap: list, seen: list):
@@ -87,14 +86,14 @@ def capped_launch(cap: list, seen: list):
     def wrapped(kernel, grid, pdl, rows, *args, **kwargs):
         ctas = math.prod(grid)
         maxnreg = cap[0]
-        kwargs.pop("maxnreg", None)  # the tile's own cap (tiles.m1_tile): each row says which cap it ran under
+        kwargs.pop("maxnreg", None)  # a tile override's cap: each row says which cap it ran under
         if maxnreg:
             kwargs["maxnreg"] = one_wave_cap(ctas, kwargs["num_warps"], props.multi_processor_count) \
                 if maxnreg < 0 else maxnreg
         compiled = launch(kernel, grid, pdl, rows, *args, **kwargs)
         per_sm = splitk.ctas_per_sm(compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared)
         seen.append(dict(regs=compiled.n_regs, ctas=ctas, ctas_per_sm=per_sm, maxnreg=kwargs.get("maxnreg"),
-                         one_wave=ctas <= per_sm * props.multi_processor_count))
+                         one_wave=splitk.one_wave(compiled, ctas, torch.device("cuda", 0))))
         return compiled
     return wrapped
 

@@ -341,6 +341,47 @@ def test_gemv_dot_swapped(fmt, m, n, k, block_n, block_k, split):
     assert rel(out, gemv_dot(*args, out=poisoned(m, n), split_k=split)) <= 1e-2
 
 
+@pytest.mark.parametrize("form", ["nvfp4_m1", "fp8_m1", "bf16_m1", "fp8_dot", "bf16_plain", "nvfp4_dot"])
+def test_split_reductions_agree_and_leave_the_workspace_unset(monkeypatch, form):
+    """splitk.store_or_reduce's two split-K tails (SPLITK_EARLY: the ticket taken early and the partials read by
+    the last arrival, in a workspace of UNSET; or the acq_rel ticket after the stores) give the same output bit for
+    bit, launch after launch, and the early one leaves its workspace UNSET and its tickets at zero (what the next
+    launch relies on), on a ragged last row tile."""
+    from ocriaquant.quant import fp8, nvfp4
+    from ocriaquant.runtime.kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token, splitk
+    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
+
+    m, n, k, split = (1, 76, 768, 3) if form.endswith("_m1") else (8, 72, 768, 3)
+    torch.manual_seed(k + n + m)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+    if form.startswith("nvfp4"):
+        packed, scales, gs = nvfp4.quantize_weight(w)
+        run = lambda: gemv_nvfp4(x, packed, scales, gs, out=poisoned(m, n), block_n=16, block_k=256,  # noqa: E731
+                                 split_k=split, path="fma" if m == 1 else "dot")
+    elif form.startswith("bf16"):  # gemv_m1 at batch 1, gemv_dot's plain form above it
+        run = lambda: gemv_bf16(x, w, out=poisoned(m, n), block_n=16, block_k=256, split_k=split)  # noqa: E731
+    else:
+        w_q, w_s = fp8.quantize_weight(w)
+        x_q, x_s = quant_fp8_per_token(x)
+        if form == "fp8_m1":
+            run = lambda: gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(m, n), block_n=16, block_k=256,  # noqa: E731
+                                   split_k=split)
+        else:
+            run = lambda: gemv_dot(x_q, w_q, x_s, w_s, out=poisoned(m, n), block_n=32, block_k=128,  # noqa: E731
+                                   split_k=split, num_warps=4, num_stages=3, swap=True)
+    monkeypatch.setattr(splitk, "SPLITK_EARLY", 0)
+    old = run()
+    monkeypatch.setattr(splitk, "SPLITK_EARLY", 1)
+    for _ in range(2):
+        new = run()
+        assert torch.isfinite(new).all() and torch.equal(new.view(torch.int16), old.view(torch.int16))
+    early = [v for key, v in splitk._WORKSPACES.items() if key[0] == "gemv_early" and key[2][0] == split]
+    assert early
+    for ws, tick in early:
+        assert bool((ws.view(torch.int32) == splitk.UNSET.value).all()) and not tick.any()
+
+
 def test_gemv_fp8_batch_tiles_from_the_rule_or_the_override(monkeypatch):
     """Above batch 1 gemv_fp8 takes tiles.dot_tile's tile, an explicit argument over it, and
     OCRIAQUANT_TILE_fp8_dot_<n>x<k> over the rule."""

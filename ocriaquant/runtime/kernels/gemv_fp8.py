@@ -19,8 +19,9 @@ from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
 from .rounding import fp8_token_codes, fp8_token_scale
-from .splitk import (Partials, l2_ahead, launch_plan, partials_view, pdl_launch, prefetch_ahead, split_tile,
-                     start_after_producer, store_row, use_pdl, wait_for_inputs, whole_tile_mask, workspace)
+from .splitk import (Partials, early_ticket, l2_ahead, launch_plan, partials_view, pdl_launch, prefetch_ahead,
+                     split_tile, start_after_producer, store_row, take_ticket, use_pdl, wait_for_inputs,
+                     whole_tile_mask, workspace)
 from .tiles import dot_tile
 
 # K-tiles past its first that a batch-1 CTA asks L2 for before its PDL wait (splitk.prefetch_ahead): only the
@@ -89,7 +90,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
                         EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr,
-                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0):
+                        EARLY: tl.constexpr, EARLY_TICKET: tl.constexpr, AHEAD: tl.constexpr = 0):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -107,6 +108,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     prefetch_ahead(w_ptr, rn, N, stride_wn, 4 * (q_first + NQ), 4 * q_end, AHEAD, 4 * NQ, 32)
     wait_for_inputs(PDL)
+    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     if EARLY and not QX:
         xs = tl.load(xs_ptr)
     if QX:  # the scratch, addressed like xh from the slice's first value on
@@ -131,7 +133,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
             xs = tl.load(xs_ptr)
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     y = tl.sum(acc, 1) * (256.0 * xs) * wsc
-    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
+    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET, ticket, EARLY_TICKET)
 
 
 def early_scales(qx: bool, splits: int, num_warps: int) -> bool:
@@ -149,7 +151,8 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
     with x_row, from the bf16 row and its absmax parts x_amax (QX: quantized in the kernel)."""
     n, k = w_q.shape
     dev = w_q.device
-    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, dev, split_k, out)
+    early = early_ticket(partials)
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, dev, split_k, out, early)
     partials = partials and grid[1] > 1
     pdl = use_pdl(dev, pdl)
     qx = x_row is not None
@@ -170,6 +173,7 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                EVEN_N=n % block_n == 0, QX=qx,
                NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
                BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
+               EARLY_TICKET=early and grid[1] > 1,
                AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD))
     return partials_view(ws, grid[1], n) if partials else out
 

@@ -33,8 +33,8 @@ from .half2 import (M1_LAYOUT, e2m1_times_2m14, load_after, load_pairs, load_pai
                     store_nvfp4_pairs)
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (Partials, after_wait, launch_plan, partials_view, pdl_launch, split_tile, store_or_reduce,
-                     store_row, use_pdl, wait_for_inputs, whole_tile_mask)
+from .splitk import (Partials, after_wait, early_ticket, launch_plan, partials_view, pdl_launch, split_tile,
+                     store_or_reduce, store_row, take_ticket, use_pdl, wait_for_inputs, whole_tile_mask)
 
 # Whether the batch-1 kernel reads its activations and block scales laid out as its tile uses them (PURE: pure
 # asm loads, half2.load_pairs_v4 with `after`, and scale offsets of contiguity 2), on the launches where that
@@ -59,9 +59,10 @@ def pure_loads(block_k: int, silu: bool) -> bool:
 @triton.jit
 def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
                        stride_sn, stride_ym, K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
+                       SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, EARLY_TICKET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rkh = tl.arange(0, BK // 2)      # packed bytes of a K-tile
@@ -93,7 +94,7 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
             acc = tl.dot(x.to(tl.float32), tl.trans(round_bf16(w)), acc)
         else:
             acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
-    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
+    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K, ticket, EARLY_TICKET)
 
 
 @triton.jit
@@ -133,7 +134,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                           SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                          PURE: tl.constexpr):
+                          PURE: tl.constexpr, EARLY_TICKET: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -159,6 +160,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                            INTERPRET, WHOLE, PURE)
     gs = tl.load(gs_ptr)  # here, not after the loop: mixed batch 1 on an H200 1.643 -> 1.635 ms (session 23)
     wait_for_inputs(PDL)
+    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     after = after_wait(b_first) if V4 and PURE else 0  # orders the pure activation loads behind the wait
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
@@ -193,7 +195,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         h = tl.reshape(silu_mul_values(g, u), (BN // 2,))
         store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
     else:
-        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
+        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET, ticket, EARLY_TICKET)
 
 
 @triton.jit
@@ -274,8 +276,10 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
         raise ValueError(f"gemv_nvfp4: batch-1 weight words {tuple(words.shape)} / scales {tuple(scales.shape)} "
                          f"do not match N={n}, K={k} (pack_m1 makes them)")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    early = early_ticket(partials and silu_out is None)
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, device, split_k,
-                                                out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16))
+                                                out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16),
+                                                early)
     pdl = use_pdl(device, pdl)
     partials = partials and silu_out is None and grid[1] > 1
     whole = k % block_k == 0  # every split is whole K-tiles: no K mask needed
@@ -288,7 +292,7 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
                PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-               PURE=pure_loads(block_k, silu_out is not None), **cap)
+               PURE=pure_loads(block_k, silu_out is not None), EARLY_TICKET=early and grid[1] > 1, **cap)
     return partials_view(ws, grid[1], n) if partials else out
 
 
@@ -323,11 +327,12 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
         return _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx,
                           pdl, device, out=out, partials=partials, maxnreg=maxnreg)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out)
+    early = early_ticket()
+    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out, early)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
                              out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
                              k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
-                             num_stages=num_stages, INTERPRET=interp)
+                             num_stages=num_stages, INTERPRET=interp, EARLY_TICKET=early and grid[1] > 1)
     return out
 
 

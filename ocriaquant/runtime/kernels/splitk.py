@@ -22,6 +22,19 @@ from .rounding import round_bf16
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+# store_or_reduce's EARLY_TICKET form: each CTA takes its ticket right after its PDL wait (take_ticket), its round trip
+# hidden behind the K loop; at the end only the last arrival's CTA keeps its partial in registers and reads the
+# others', which store theirs and exit with no fence and no atomic; a partial not yet visible reads as UNSET, and
+# the reader reads again. The old form's last CTA waited for its own partial's store (the ticket's release), then
+# the ticket, then the partials: two more round trips at the kernel's tail. Both sum the splits in the same order
+# (bit-identical outputs, tests/test_kernels.py). Off by default until timed on a GPU: session 39 found no device
+# machine (scripts/probe_splitk_tail.py times both forms and checks them). OCRIAQUANT_SPLITK_EARLY=1 turns it on
+# (read at import; the module value at every launch, for A/Bs: ab_step's kernels.splitk.SPLITK_EARLY=1).
+SPLITK_EARLY = int(os.environ.get("OCRIAQUANT_SPLITK_EARLY", "0"))
+# The bits of a workspace value not written yet: a NaN (sign set, all payload bits) that no arithmetic makes
+# (NVIDIA GPUs write every NaN they compute as 0x7FFFFFFF), so a partial never reads as UNSET.
+UNSET = tl.constexpr(-1)
+
 
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -39,28 +52,38 @@ def geometry(n: int, k: int, block_n: int, block_k: int, device: torch.device, s
     return tiles, split_k
 
 
-def workspace(device: torch.device, shape: tuple, tickets: int, owner: str = "gemv"):
+def workspace(device: torch.device, shape: tuple, tickets: int, owner: str = "gemv", unset: bool = False):
     """fp32 partials of `shape` and `tickets` int32 counters (zero, self-resetting), made once
     per (owner, device, shape, tickets) and reused, so they can live in a CUDA graph. Kernels
-    that use them (the GEMVs here, gdn_decode) run one after another on a stream."""
+    that use them (the GEMVs here, gdn_decode) run one after another on a stream. unset: the
+    partials start as UNSET's bits (store_or_reduce's EARLY_TICKET form, which leaves them so)."""
     key = (owner, device, shape, tickets)  # tickets too: a smaller ticket array would be overrun
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.empty(shape, dtype=torch.float32, device=device),
-                            torch.zeros(tickets, dtype=torch.int32, device=device))
+        ws = (torch.full(shape, UNSET.value, dtype=torch.int32, device=device).view(torch.float32) if unset
+              else torch.empty(shape, dtype=torch.float32, device=device))
+        _WORKSPACES[key] = (ws, torch.zeros(tickets, dtype=torch.int32, device=device))
     return _WORKSPACES[key]
 
 
 def launch_plan(m: int, n: int, k: int, block_n: int, block_k: int, device: torch.device,
-                split_k: int | None, out: torch.Tensor | None):
+                split_k: int | None, out: torch.Tensor | None, early: bool = False):
     """Everything a GEMV launch needs besides its operands: (BM, grid, K per split, out,
-    workspace, tickets). M is padded to at least 16, the smallest tensor-core tile."""
+    workspace, tickets). M is padded to at least 16, the smallest tensor-core tile. early: the
+    launch reduces its splits by store_or_reduce's EARLY_TICKET form, whose workspace (its own, never a
+    Partials') holds UNSET wherever no split has written."""
     bm = max(16, triton.next_power_of_2(m))
     tiles, splits = geometry(n, k, block_n, block_k, device, split_k)
     k_per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=device) if out is None else out
-    ws, tick = workspace(device, (splits, bm, n), tiles)
+    ws, tick = workspace(device, (splits, bm, n), tiles, owner="gemv_early" if early else "gemv", unset=early)
     return bm, (tiles, splits), k_per, out, ws, tick
+
+
+def early_ticket(partials: bool = False) -> bool:
+    """Whether a split launch reduces by store_or_reduce's EARLY_TICKET form (SPLITK_EARLY, read at every launch);
+    never one that leaves its partials to the consumer (Partials)."""
+    return bool(SPLITK_EARLY) and not partials
 
 
 def use_pdl(device: torch.device, pdl: bool | None) -> bool:
@@ -218,17 +241,18 @@ def after_wait(x):
 
 @triton.jit
 def store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN: tl.constexpr, SPLIT_K: tl.constexpr,
-              PARTIALS: tl.constexpr, INTERPRET: tl.constexpr):
+              PARTIALS: tl.constexpr, INTERPRET: tl.constexpr, ticket=0, EARLY_TICKET: tl.constexpr = False):
     """The batch-1 GEMVs' epilogue for this CTA's fp32 outputs y [BN]: with PARTIALS only its
     split's partial, at row pid_k of the workspace (where store_or_reduce puts it; the consumer
-    adds the splits, runtime/partials.py); else store_or_reduce's bf16 row."""
+    adds the splits, runtime/partials.py); else store_or_reduce's bf16 row (ticket, EARLY_TICKET: its)."""
     if PARTIALS:
         rn = pid_n * BN + tl.arange(0, BN)
         tl.store(ws_ptr + pid_k * N + rn, y, mask=rn < N)
     else:
         if INTERPRET and SPLIT_K == 1:  # the interpreter's bf16 store truncates (rounding.py)
             y = round_bf16(y)
-        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K)
+        store_or_reduce(y[None, :], y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K, ticket,
+                        EARLY_TICKET)
 
 
 def partials_view(ws: torch.Tensor, splits: int, n: int) -> Partials:
@@ -236,18 +260,74 @@ def partials_view(ws: torch.Tensor, splits: int, n: int) -> Partials:
     return Partials(ws.view(-1)[:splits * n].view(splits, 1, n))
 
 
+_TICKET_PTX = tl.constexpr("""{
+.reg .pred p;
+.reg .b32 t;
+mov.u32 t, %tid.x;
+setp.eq.u32 p, t, 0;
+setp.ne.and.b32 p, $2, 0, p;
+mov.u32 $0, 0;
+@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1;
+}""")
+
+
+@triton.jit
+def take_ticket(tick_ptr, pid_n, SPLIT_K: tl.constexpr, EARLY_TICKET: tl.constexpr, INTERPRET: tl.constexpr):
+    """store_or_reduce's EARLY_TICKET ticket, asked where it is called (after the PDL wait: the launch before
+    resets the counter): the CTA's arrival number at its output tile, 0 … SPLIT_K - 1, at element 0 of a
+    [16] vector (store_or_reduce reads it there). One thread asks: a scalar atomic would make every thread wait for
+    its answer there (Triton broadcasts it through shared memory), and the K loop would start a round
+    trip late. A placeholder where there is nothing to ask."""
+    r = tl.arange(0, 16)
+    if not EARLY_TICKET or SPLIT_K == 1:
+        return r * 0
+    if INTERPRET:  # no PTX; one element adds 1, the others 0
+        return tl.atomic_add(tick_ptr + pid_n + r * 0, (r == 0).to(tl.int32), sem="relaxed")
+    return tl.inline_asm_elementwise(_TICKET_PTX, "=r,l,r", [tick_ptr + pid_n + r * 0, (r == 0).to(tl.int32)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gather_splits(acc, w_ptrs, mask, pid_k, BM: tl.constexpr, N, SPLIT_K: tl.constexpr):
+    """The sum over splits in order 0 … SPLIT_K - 1 (the old form's and partials.py's order), this CTA's own
+    from acc, and how many values read were still UNSET."""
+    total = tl.zeros(acc.shape, dtype=tl.float32)
+    unset = tl.zeros(acc.shape, dtype=tl.int32)
+    for s in tl.static_range(SPLIT_K):
+        others = mask & (tl.full(mask.shape, s, tl.int32) != pid_k)  # in the mask's shape (the interpreter)
+        p = tl.load(w_ptrs + s * BM * N, mask=others, other=0.0, volatile=True)
+        unset += (p.to(tl.int32, bitcast=True) == UNSET).to(tl.int32)
+        total += tl.where(pid_k == s, acc, p)
+    return total, tl.sum(unset)  # one reduction after every load: one between them kept each load waiting for
+    # the one before it (sm_90 SASS)
+
+
 @triton.jit
 def store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym,
-                    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Write tile `acc` [BM, BN] (fp32) to y (bf16), summing the SPLIT_K partials if split."""
+                    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, ticket=0,
+                    EARLY_TICKET: tl.constexpr = False):
+    """Write tile `acc` [BM, BN] (fp32) to y (bf16), summing the SPLIT_K partials if split.
+    EARLY_TICKET (SPLITK_EARLY): by take_ticket's `ticket`, in a workspace of UNSET (launch_plan's early)."""
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    w_ptrs = ws_ptr + rm[:, None] * N + rn[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif EARLY_TICKET:
+        if tl.max(tl.where(tl.arange(0, 16) == 0, ticket, -1), 0) == SPLIT_K - 1:  # every other split has its
+            total, missing = _gather_splits(acc, w_ptrs, mask, pid_k, BM, N, SPLIT_K)  # ticket: their stores come
+            while missing > 0:
+                total, missing = _gather_splits(acc, w_ptrs, mask, pid_k, BM, N, SPLIT_K)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            unset = tl.full((BM, BN), UNSET, tl.int32).to(tl.float32, bitcast=True)
+            for s in tl.static_range(SPLIT_K):  # as found, for the next launch (after it, by stream order)
+                tl.store(w_ptrs + s * BM * N, unset, mask=mask & (tl.full(mask.shape, s, tl.int32) != pid_k))
+            tl.store(tick_ptr + pid_n, 0)
+        else:
+            tl.store(w_ptrs + pid_k * BM * N, acc, mask=mask)
     else:
-        w_ptrs = ws_ptr + rm[:, None] * N + rn[None, :]
         tl.store(w_ptrs + pid_k * BM * N, acc, mask=mask)
         # Every thread's partial is written (barrier) before the ticket releases it; the last
         # ticket acquires everyone else's, and the barrier after keeps all reads behind it.

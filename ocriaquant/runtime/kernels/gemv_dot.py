@@ -132,11 +132,11 @@ def gemv_dot(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = No
                    w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1],
                    SCALED=scaled, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
                    EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, STAGES=num_stages, num_warps=num_warps,
-                   EARLY_TICKET=early and grid[1] > 1)
+                   EARLY_TICKET=early)
         return out
     _gemv_dot_kernel[grid](x, x_scale.reshape(-1).float() if scaled else x, w, w_scale.reshape(-1) if scaled else w,
                            out, ws, tick, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n,
                            BK=block_k, SPLIT_K=grid[1], SCALED=scaled,
                            INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                           num_stages=num_stages, EARLY_TICKET=early and grid[1] > 1)
+                           num_stages=num_stages, EARLY_TICKET=early)
     return out

@@ -173,7 +173,7 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
                EVEN_N=n % block_n == 0, QX=qx,
                NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
                BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
-               EARLY_TICKET=early and grid[1] > 1,
+               EARLY_TICKET=early,
                AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD))
     return partials_view(ws, grid[1], n) if partials else out
 

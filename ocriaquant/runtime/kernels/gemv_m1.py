@@ -126,5 +126,5 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
                w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
                BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
                INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps, STAGES=M1_STAGES,
-               EARLY_TICKET=early and grid[1] > 1)
+               EARLY_TICKET=early)
     return out

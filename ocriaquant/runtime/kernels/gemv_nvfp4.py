@@ -292,7 +292,7 @@ def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_
                k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
                INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
                PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-               PURE=pure_loads(block_k, silu_out is not None), EARLY_TICKET=early and grid[1] > 1, **cap)
+               PURE=pure_loads(block_k, silu_out is not None), EARLY_TICKET=early, **cap)
     return partials_view(ws, grid[1], n) if partials else out
 
 
@@ -332,7 +332,7 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
                              out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
                              k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
-                             num_stages=num_stages, INTERPRET=interp, EARLY_TICKET=early and grid[1] > 1)
+                             num_stages=num_stages, INTERPRET=interp, EARLY_TICKET=early)
     return out
 
 

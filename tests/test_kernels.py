@@ -4,6 +4,8 @@ runs the same checks at Qwen3.5-4B shapes on the GPU."""
 
 import importlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -380,6 +382,55 @@ def test_split_reductions_agree_and_leave_the_workspace_unset(monkeypatch, form)
     assert early
     for ws, tick in early:
         assert bool((ws.view(torch.int32) == splitk.UNSET.value).all()) and not tick.any()
+
+
+_TICKET_LAYOUT = r"""
+import re, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ocriaquant.runtime.kernels.splitk import store_or_reduce, take_ticket
+
+@triton.jit
+def early_tail(tick_ptr, y_ptr, ws_ptr, N, BN: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, True, False)
+    acc = tl.zeros((1, BN), tl.float32) + pid_k
+    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K, ticket, True)
+
+for warps in (1, 2, 4, 8):
+    sig = dict(tick_ptr="*i32", y_ptr="*bf16", ws_ptr="*fp32", N="i32", BN="constexpr", SPLIT_K="constexpr")
+    src = ASTSource(early_tail, sig, constexprs={(4,): 8, (5,): 3})
+    ir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
+    line = next(ln for ln in ir.splitlines() if "atom.relaxed" in ln)
+    size, enc = re.search(r"-> tensor<(\d+)xi32, #(\w+)>", line).groups()
+    lay = re.search(rf"^#{enc} = #ttg\.blocked<\{{sizePerThread = \[(\d+)\], threadsPerWarp = \[(\d+)\], "
+                    rf"warpsPerCTA = \[(\d+)\]", ir, re.M)
+    print(warps, size, *(lay.groups() if lay else ("not blocked",)))
+"""
+
+
+def test_the_early_ticket_has_no_copies_in_a_compiled_kernel(tmp_path):
+    """take_ticket's vector, compiled for sm_90 at 1–8 warps, is laid out one element per thread slot with no
+    thread holding a copy of another's element. A copy reads 0 where thread 0 read the ticket, and Triton reduces
+    over one copy, taking them to be equal: with a [16] vector the threads of a CTA disagreed on which CTA reduces
+    its tile, and the FP8 tensor-core GEMV hung at its tail on an H100 (BENCHMARKS.md, session 40). The
+    interpreter runs one program at a time and cannot show it, hence Triton's compiler here (no GPU needed), in a
+    process of its own (from a file: @triton.jit reads its source) since TRITON_INTERPRET=1 makes @triton.jit
+    build interpreted functions."""
+    script = tmp_path / "ticket_layout.py"
+    script.write_text(_TICKET_LAYOUT)
+    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 8], proc.stdout
+    for warps, size, *layout in rows:
+        assert layout != ["not", "blocked"], f"{warps} warps: the ticket's layout is not a plain blocked one"
+        per_thread, lanes, warps_in = (int(v) for v in layout)
+        assert (lanes, warps_in) == (32, int(warps)) and int(size) % (per_thread * lanes * warps_in) == 0, \
+            f"{warps} warps: a ticket of {size} elements, {per_thread}/thread, 32 lanes, {warps_in} warps has copies"
 
 
 def test_gemv_fp8_batch_tiles_from_the_rule_or_the_override(monkeypatch):

@@ -27,9 +27,11 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 # others', which store theirs and exit with no fence and no atomic; a partial not yet visible reads as UNSET, and
 # the reader reads again. The old form's last CTA waited for its own partial's store (the ticket's release), then
 # the ticket, then the partials: two more round trips at the kernel's tail. Both sum the splits in the same order
-# (bit-identical outputs, tests/test_kernels.py). Off by default until timed on a GPU: session 39 found no device
-# machine (scripts/probe_splitk_tail.py times both forms and checks them). OCRIAQUANT_SPLITK_EARLY=1 turns it on
-# (read at import; the module value at every launch, for A/Bs: ab_step's kernels.splitk.SPLITK_EARLY=1).
+# (bit-identical outputs, tests/test_kernels.py). On an H100 (session 40, scripts/probe_splitk_tail.py) it took NVFP4
+# down_proj's batch-1 rule from 8.42 to 7.85 µs and every split NVFP4 tile 0.4-1.4 µs lower; but the FP8 tensor-core
+# form never finished a split launch there, because take_ticket's vector then had copies (its docstring), fixed since
+# and not yet run on a GPU: off by default until it has. OCRIAQUANT_SPLITK_EARLY=1 turns it on (read at import; the
+# module value at every launch, for A/Bs: ab_step's kernels.splitk.SPLITK_EARLY=1).
 SPLITK_EARLY = int(os.environ.get("OCRIAQUANT_SPLITK_EARLY", "0"))
 # The bits of a workspace value not written yet: a NaN (sign set, all payload bits) that no arithmetic makes
 # (NVIDIA GPUs write every NaN they compute as 0x7FFFFFFF), so a partial never reads as UNSET.
@@ -274,11 +276,14 @@ mov.u32 $0, 0;
 @triton.jit
 def take_ticket(tick_ptr, pid_n, SPLIT_K: tl.constexpr, EARLY_TICKET: tl.constexpr, INTERPRET: tl.constexpr):
     """store_or_reduce's EARLY_TICKET ticket, asked where it is called (after the PDL wait: the launch before
-    resets the counter): the CTA's arrival number at its output tile, 0 … SPLIT_K - 1, at element 0 of a
-    [16] vector (store_or_reduce reads it there). One thread asks: a scalar atomic would make every thread wait for
-    its answer there (Triton broadcasts it through shared memory), and the K loop would start a round
-    trip late. A placeholder where there is nothing to ask."""
-    r = tl.arange(0, 16)
+    resets the counter): the CTA's arrival number at its output tile, 0 … SPLIT_K - 1, at element 0 of a vector
+    (store_or_reduce reads it there). One thread asks: a scalar atomic would make every thread wait for its
+    answer there (Triton broadcasts it through shared memory), and the K loop would start a round trip late.
+    The vector has one element per thread of the CTA, so that no thread holds a copy of another's: Triton
+    takes copies to be equal and reduces over one of them, and with a [16] vector (session 39) the threads of
+    warps 1… and lanes 16… read 0 where thread 0 read the ticket, disagreed on which CTA reduces, and the
+    FP8 tensor-core form hung at its tail (H100, session 40). A placeholder where there is nothing to ask."""
+    r = tl.arange(0, 16 if INTERPRET else tl.extra.cuda.num_threads())
     if not EARLY_TICKET or SPLIT_K == 1:
         return r * 0
     if INTERPRET:  # no PTX; one element adds 1, the others 0
@@ -316,9 +321,9 @@ def store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym,
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     elif EARLY_TICKET:
-        if tl.max(tl.where(tl.arange(0, 16) == 0, ticket, -1), 0) == SPLIT_K - 1:  # every other split has its
-            total, missing = _gather_splits(acc, w_ptrs, mask, pid_k, BM, N, SPLIT_K)  # ticket: their stores come
-            while missing > 0:
+        if tl.max(tl.where(tl.arange(0, ticket.shape[0]) == 0, ticket, -1), 0) == SPLIT_K - 1:  # every other
+            total, missing = _gather_splits(acc, w_ptrs, mask, pid_k, BM, N, SPLIT_K)  # split has its ticket:
+            while missing > 0:  # their stores are on their way
                 total, missing = _gather_splits(acc, w_ptrs, mask, pid_k, BM, N, SPLIT_K)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
             unset = tl.full((BM, BN), UNSET, tl.int32).to(tl.float32, bitcast=True)

@@ -7,12 +7,17 @@ bounds what any in-kernel reduction can reach. Both reductions sum the splits in
 be equal bit for bit, and each is checked against float64 on a poisoned output.
 
     python scripts/probe_splitk_tail.py --out splitk_tail.json
+    python scripts/probe_splitk_tail.py --rows "fp8 dot M=64 .*, [12].$|nvfp4 b1 2560x9216 .8, " --batches 64
+
+Each row is compiled twice (and a third time for the Partials), ~50 s a row on a fresh H100 (session 40): --rows, a
+regular expression searched in the row labels the full run prints, keeps a call to the rows it needs. The JSON is
+rewritten after every row, so a call cut off at its time limit keeps the rows it finished.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import re
 import statistics
 import sys
 import time
@@ -24,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
 
 from ocriaquant.bench import copy_bandwidth  # noqa: E402
+from ocriaquant.files import write_json_atomic  # noqa: E402
 from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token, splitk  # noqa: E402
 from ocriaquant.runtime.kernels.gemv_dot import gemv_dot  # noqa: E402
 from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4, gemv_nvfp4_ref, nvfp4_x_pairs  # noqa: E402
@@ -76,7 +82,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("probe_splitk_tail.json"))
     ap.add_argument("--batches", default="8,32,64", help="FP8 tensor-core batches")
     ap.add_argument("--only", default="nvfp4,fp8_m1,fp8_dot")
+    ap.add_argument("--rows", default="", help="a regular expression: only the rows whose label it matches")
     args = ap.parse_args()
+    try:
+        pick = re.compile(args.rows)
+    except re.error as e:
+        raise SystemExit(f"probe_splitk_tail: --rows {args.rows!r} is not a regular expression: {e}")
     if not torch.cuda.is_available():
         raise SystemExit("probe_splitk_tail: needs a CUDA GPU (it times the kernels)")
     torch.manual_seed(0)
@@ -86,6 +97,11 @@ def main() -> None:
     log(f"{gpu}: copy {bw / 1e12:.2f} TB/s")
     rows = []
     only = args.only.split(",")
+    head = {"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "copy_tb_s": round(bw / 1e12, 3)}
+
+    def keep(row):
+        rows.append(row)
+        write_json_atomic(args.out, {**head, "rows": rows})
 
     def pct(us, nbytes):
         return round(100 * nbytes / (us * 1e-6) / bw, 1)
@@ -104,6 +120,10 @@ def main() -> None:
                 tile = dict(block_n=t[0], block_k=t[1], num_warps=t[2], split_k=t[3],
                             maxnreg=t[4] if len(t) > 4 else None)
 
+                label = f"nvfp4 b1 {n}x{k} {t}"
+                if not pick.search(label):
+                    continue
+
                 def call(i, early, poison=False, tile=tile):
                     if poison:
                         outs[i].fill_(float("nan"))
@@ -112,8 +132,8 @@ def main() -> None:
 
                 def parts(i, tile=tile):
                     return gemv_nvfp4(None, WP[i][0], WP[i][1], gs, x_pairs=pairs, m1=WP[i][2], partials=True, **tile)
-                row = timed_pair(call, ref, f"nvfp4 b1 {n}x{k} {t}", log, parts if t[3] > 1 else None)
-                rows.append(dict(kind="nvfp4", m=1, n=n, k=k, tile=tile, rule=t == NVFP4_B1[(n, k)][0], **row,
+                row = timed_pair(call, ref, label, log, parts if t[3] > 1 else None)
+                keep(dict(kind="nvfp4", m=1, n=n, k=k, tile=tile, rule=t == NVFP4_B1[(n, k)][0], **row,
                                  old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes),
                                  **({"partials_pct": pct(row["partials_us"], nbytes)} if "partials_us" in row else {})))
         if "fp8_m1" in only:
@@ -121,7 +141,8 @@ def main() -> None:
             x_half = quant_fp8_per_token(x, half=True)[2]
             outs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for _ in range(nc)]
             tile = m1_tile("fp8", n, k)
-            if tile.get("split_k", 0) != 1:
+            label = f"fp8 b1 {n}x{k} rule {tile}"
+            if tile.get("split_k", 0) != 1 and pick.search(label):
                 nbytes = n * k + n * 2 + k * 2 + n * 2
 
                 def call(i, early, poison=False):
@@ -132,8 +153,8 @@ def main() -> None:
 
                 def parts(i):
                     return gemv_fp8(x_q, x_s, *WQ[i], x_half=x_half, partials=True, **tile)
-                row = timed_pair(call, gemv_fp8_ref(x_q, x_s, *WQ[0]), f"fp8 b1 {n}x{k} rule {tile}", log, parts)
-                rows.append(dict(kind="fp8", m=1, n=n, k=k, tile=tile, rule=True, **row,
+                row = timed_pair(call, gemv_fp8_ref(x_q, x_s, *WQ[0]), label, log, parts)
+                keep(dict(kind="fp8", m=1, n=n, k=k, tile=tile, rule=True, **row,
                                  old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes),
                                  partials_pct=pct(row["partials_us"], nbytes)))
         if "fp8_dot" in only and (n, k) in FP8_DOT:
@@ -147,19 +168,22 @@ def main() -> None:
                 rule_t = (rule["block_n"], rule["block_k"], rule["num_warps"], rule["num_stages"], rule["split_k"])
                 for t in FP8_DOT[(n, k)]:
                     tile = dict(block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3], split_k=t[4])
+                    label = f"fp8 dot M={m} {n}x{k} {t}"
+                    if not pick.search(label):
+                        continue
 
                     def call(i, early, poison=False, tile=tile):
                         if poison:
                             outs[i].fill_(float("nan"))
                         return gemv_dot(x_q, WQ[i][0], x_s, WQ[i][1], out=outs[i], swap=True, **tile)
                     call.copies = nc
-                    row = timed_pair(call, ref, f"fp8 dot M={m} {n}x{k} {t}", log)
-                    rows.append(dict(kind="fp8_dot", m=m, n=n, k=k, tile=tile, rule=t == rule_t, **row,
+                    row = timed_pair(call, ref, label, log)
+                    keep(dict(kind="fp8_dot", m=m, n=n, k=k, tile=tile, rule=t == rule_t, **row,
                                      old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes)))
         WQ = WP = outs = None
         torch.cuda.empty_cache()
-    args.out.write_text(json.dumps({"gpu": gpu, "date": time.strftime("%Y-%m-%d"), "copy_tb_s": round(bw / 1e12, 3),
-                                    "rows": rows}, indent=1))
+    if not rows:
+        raise SystemExit(f"probe_splitk_tail: no row matched --rows {args.rows!r} under --only {args.only}")
 
 
 if __name__ == "__main__":

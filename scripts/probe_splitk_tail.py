@@ -119,7 +119,6 @@ def main() -> None:
             for t in NVFP4_B1[(n, k)]:
                 tile = dict(block_n=t[0], block_k=t[1], num_warps=t[2], split_k=t[3],
                             maxnreg=t[4] if len(t) > 4 else None)
-
                 label = f"nvfp4 b1 {n}x{k} {t}"
                 if not pick.search(label):
                     continue
@@ -134,8 +133,8 @@ def main() -> None:
                     return gemv_nvfp4(None, WP[i][0], WP[i][1], gs, x_pairs=pairs, m1=WP[i][2], partials=True, **tile)
                 row = timed_pair(call, ref, label, log, parts if t[3] > 1 else None)
                 keep(dict(kind="nvfp4", m=1, n=n, k=k, tile=tile, rule=t == NVFP4_B1[(n, k)][0], **row,
-                                 old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes),
-                                 **({"partials_pct": pct(row["partials_us"], nbytes)} if "partials_us" in row else {})))
+                          old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes),
+                          **({"partials_pct": pct(row["partials_us"], nbytes)} if "partials_us" in row else {})))
         if "fp8_m1" in only:
             x_q, x_s = quant_fp8_per_token(x)[:2]
             x_half = quant_fp8_per_token(x, half=True)[2]
@@ -155,8 +154,8 @@ def main() -> None:
                     return gemv_fp8(x_q, x_s, *WQ[i], x_half=x_half, partials=True, **tile)
                 row = timed_pair(call, gemv_fp8_ref(x_q, x_s, *WQ[0]), label, log, parts)
                 keep(dict(kind="fp8", m=1, n=n, k=k, tile=tile, rule=True, **row,
-                                 old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes),
-                                 partials_pct=pct(row["partials_us"], nbytes)))
+                          old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes),
+                          partials_pct=pct(row["partials_us"], nbytes)))
         if "fp8_dot" in only and (n, k) in FP8_DOT:
             for m in (int(v) for v in args.batches.split(",")):
                 xm = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -179,7 +178,7 @@ def main() -> None:
                     call.copies = nc
                     row = timed_pair(call, ref, label, log)
                     keep(dict(kind="fp8_dot", m=m, n=n, k=k, tile=tile, rule=t == rule_t, **row,
-                                     old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes)))
+                              old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes)))
         WQ = WP = outs = None
         torch.cuda.empty_cache()
     if not rows:

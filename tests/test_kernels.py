@@ -385,7 +385,7 @@ def test_split_reductions_agree_and_leave_the_workspace_unset(monkeypatch, form)
 
 
 _TICKET_LAYOUT = r"""
-import re, sys
+import re
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

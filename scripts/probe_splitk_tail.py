@@ -47,6 +47,17 @@ FP8_DOT = {(2560, 4096): ((64, 256, 4, 6, 1), (64, 256, 4, 6, 2), (64, 256, 4, 6
                           (64, 256, 4, 6, 3))}
 
 
+def poisonable(outs: list, run):
+    """timed_pair's call(i, early, poison=False) for run(i), which writes outs[i] (one output per weight copy):
+    poison fills that output with NaN first."""
+    def call(i, early, poison=False):
+        if poison:
+            outs[i].fill_(float("nan"))
+        return run(i)
+    call.copies = len(outs)
+    return call
+
+
 def timed_pair(call, ref, label: str, log, partials_call=None) -> dict:
     """call(i, early) for the weight copies i: each form checked (poisoned output, float64 ref), the two forms' outputs
     compared bit for bit, then timed interleaved, 3 times each (medians)."""
@@ -122,12 +133,8 @@ def main() -> None:
                 label = f"nvfp4 b1 {n}x{k} {t}"
                 if not pick.search(label):
                     continue
-
-                def call(i, early, poison=False, tile=tile):
-                    if poison:
-                        outs[i].fill_(float("nan"))
-                    return gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs, m1=WP[i][2], **tile)
-                call.copies = nc
+                call = poisonable(outs, lambda i, tile=tile: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i],
+                                                                       x_pairs=pairs, m1=WP[i][2], **tile))
 
                 def parts(i, tile=tile):
                     return gemv_nvfp4(None, WP[i][0], WP[i][1], gs, x_pairs=pairs, m1=WP[i][2], partials=True, **tile)
@@ -143,12 +150,7 @@ def main() -> None:
             label = f"fp8 b1 {n}x{k} rule {tile}"
             if tile.get("split_k", 0) != 1 and pick.search(label):
                 nbytes = n * k + n * 2 + k * 2 + n * 2
-
-                def call(i, early, poison=False):
-                    if poison:
-                        outs[i].fill_(float("nan"))
-                    return gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=x_half, **tile)
-                call.copies = nc
+                call = poisonable(outs, lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], x_half=x_half, **tile))
 
                 def parts(i):
                     return gemv_fp8(x_q, x_s, *WQ[i], x_half=x_half, partials=True, **tile)
@@ -170,12 +172,8 @@ def main() -> None:
                     label = f"fp8 dot M={m} {n}x{k} {t}"
                     if not pick.search(label):
                         continue
-
-                    def call(i, early, poison=False, tile=tile):
-                        if poison:
-                            outs[i].fill_(float("nan"))
-                        return gemv_dot(x_q, WQ[i][0], x_s, WQ[i][1], out=outs[i], swap=True, **tile)
-                    call.copies = nc
+                    call = poisonable(outs, lambda i, tile=tile: gemv_dot(x_q, WQ[i][0], x_s, WQ[i][1], out=outs[i],
+                                                                          swap=True, **tile))
                     row = timed_pair(call, ref, label, log)
                     keep(dict(kind="fp8_dot", m=m, n=n, k=k, tile=tile, rule=t == rule_t, **row,
                               old_pct=pct(row["old_us"], nbytes), early_pct=pct(row["early_us"], nbytes)))

@@ -11,15 +11,19 @@ be equal bit for bit, and each is checked against float64 on a poisoned output.
 
 Each row is compiled twice (and a third time for the Partials), ~50 s a row on a fresh H100 (session 40): --rows, a
 regular expression searched in the row labels the full run prints, keeps a call to the rows it needs. The JSON is
-rewritten after every row, so a call cut off at its time limit keeps the rows it finished.
+rewritten after every row, so a call cut off at its time limit keeps the rows it finished. A row that has not
+finished in --hang-s seconds ends the run with its label and the form it was timing (exit 3): a reduction that
+never completes spins on the GPU until the call's limit otherwise (session 41 lost two calls so).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,12 +62,30 @@ def poisonable(outs: list, run):
     return call
 
 
+HANG_S = 150.0  # main's --hang-s
+
+
+def watchdog(label: str, doing: dict) -> threading.Timer:
+    """A started timer that, HANG_S seconds on, prints what the row was doing (doing["form"]) and ends the process:
+    a hung kernel holds the main thread in a CUDA synchronize (which lets go of the GIL) for good."""
+    def fire():
+        print(f"probe_splitk_tail: {label} did not finish in {HANG_S:.0f} s, stuck in {doing['form']}: a hang",
+              flush=True)
+        os._exit(3)
+    timer = threading.Timer(HANG_S, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def timed_pair(call, ref, label: str, log, partials_call=None) -> dict:
     """call(i, early) for the weight copies i: each form checked (poisoned output, float64 ref), the two forms' outputs
-    compared bit for bit, then timed interleaved, 3 times each (medians)."""
-    outs, default = {}, splitk.SPLITK_EARLY
+    compared bit for bit, then timed interleaved, 3 times each (medians); under watchdog."""
+    outs, default, doing = {}, splitk.SPLITK_EARLY, {"form": ""}
+    timer = watchdog(label, doing)
     for early in (0, 1):
         splitk.SPLITK_EARLY = early
+        doing["form"] = f"the check of the {('old', 'early')[early]} tail"
         out = call(0, early, poison=True)
         err = bk.rel(out, ref)
         if not (bool(torch.isfinite(out).all()) and err <= 1e-2):
@@ -74,11 +96,14 @@ def timed_pair(call, ref, label: str, log, partials_call=None) -> dict:
     for _ in range(3):
         for early in (0, 1):
             splitk.SPLITK_EARLY = early
+            doing["form"] = f"the timing of the {('old', 'early')[early]} tail"
             times[early].append(bk.graph_time_us(bk.cycled([lambda i=i: call(i, early) for i in range(call.copies)])))
         if partials_call is not None:
+            doing["form"] = "the timing of the Partials"
             times["partials"].append(bk.graph_time_us(bk.cycled([lambda i=i: partials_call(i)
                                                                  for i in range(call.copies)])))
     splitk.SPLITK_EARLY = default
+    timer.cancel()
     row = dict(old_us=round(statistics.median(times[0]), 2), early_us=round(statistics.median(times[1]), 2),
                same_bits=same, rel_err=err)
     if partials_call is not None:
@@ -89,12 +114,16 @@ def timed_pair(call, ref, label: str, log, partials_call=None) -> dict:
 
 
 def main() -> None:
+    global HANG_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("probe_splitk_tail.json"))
     ap.add_argument("--batches", default="8,32,64", help="FP8 tensor-core batches")
     ap.add_argument("--only", default="nvfp4,fp8_m1,fp8_dot")
     ap.add_argument("--rows", default="", help="a regular expression: only the rows whose label it matches")
+    ap.add_argument("--hang-s", type=float, default=HANG_S,
+                    help="seconds a row may take (its compiles included) before the run ends as hung")
     args = ap.parse_args()
+    HANG_S = args.hang_s
     try:
         pick = re.compile(args.rows)
     except re.error as e:

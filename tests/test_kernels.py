@@ -401,23 +401,31 @@ def early_tail(tick_ptr, y_ptr, ws_ptr, N, BN: tl.constexpr, SPLIT_K: tl.constex
 for warps in (1, 2, 4, 8):
     sig = dict(tick_ptr="*i32", y_ptr="*bf16", ws_ptr="*fp32", N="i32", BN="constexpr", SPLIT_K="constexpr")
     src = ASTSource(early_tail, sig, constexprs={(4,): 8, (5,): 3})
-    ir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm["ttgir"]
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
+    ir, ptx = asm["ttgir"], asm["ptx"].splitlines()
     line = next(ln for ln in ir.splitlines() if "atom.relaxed" in ln)
     size, enc = re.search(r"-> tensor<(\d+)xi32, #(\w+)>", line).groups()
     lay = re.search(rf"^#{enc} = #ttg\.blocked<\{{sizePerThread = \[(\d+)\], threadsPerWarp = \[(\d+)\], "
                     rf"warpsPerCTA = \[(\d+)\]", ir, re.M)
-    print(warps, size, *(lay.groups() if lay else ("not blocked",)))
+    # the reducer: its last read of the others' partials, then its first 32-bit store (the UNSET resets; y is bf16)
+    last_read = max(i for i, ln in enumerate(ptx) if "ld.volatile.global" in ln)
+    first_reset = next(i for i in range(last_read, len(ptx)) if "st.global.b32" in ptx[i])
+    barrier = any("bar.sync" in ln for ln in ptx[last_read:first_reset])
+    print(warps, size, *(lay.groups() if lay else ("not blocked",)), int(barrier))
 """
 
 
-def test_the_early_ticket_has_no_copies_in_a_compiled_kernel(tmp_path):
-    """take_ticket's vector, compiled for sm_90 at 1–8 warps, is laid out one element per thread slot with no
-    thread holding a copy of another's element. A copy reads 0 where thread 0 read the ticket, and Triton reduces
-    over one copy, taking them to be equal: with a [16] vector the threads of a CTA disagreed on which CTA reduces
-    its tile, and the FP8 tensor-core GEMV hung at its tail on an H100 (BENCHMARKS.md, session 40). The
-    interpreter runs one program at a time and cannot show it, hence Triton's compiler here (no GPU needed), in a
-    process of its own (from a file: @triton.jit reads its source) since TRITON_INTERPRET=1 makes @triton.jit
-    build interpreted functions."""
+def test_the_early_tail_compiles_without_copies_or_a_reset_race(tmp_path):
+    """The EARLY_TICKET tail, compiled for sm_90 at 1–8 warps. take_ticket's vector is laid out one element per
+    thread slot with no thread holding a copy of another's element: a copy reads 0 where thread 0 read the ticket,
+    and Triton reduces over one copy, taking them to be equal; with a [16] vector the threads of a CTA disagreed on
+    which CTA reduces its tile, and the FP8 tensor-core GEMV hung at its tail on an H100 (BENCHMARKS.md, session
+    40). And the reducer waits at a barrier between its last read of the others' partials and its first reset of
+    them: its [1, 8] tile has a copy in every warp, each warp leaves the read loop on its own, and a warp that
+    reset a partial another warp had not read yet hung the NVFP4 down_proj GEMV at 2 warps (session 41). The
+    interpreter runs one program at a time and cannot show either, hence Triton's compiler here (no GPU needed),
+    in a process of its own (from a file: @triton.jit reads its source) since TRITON_INTERPRET=1 makes
+    @triton.jit build interpreted functions."""
     script = tmp_path / "ticket_layout.py"
     script.write_text(_TICKET_LAYOUT)
     env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
@@ -426,7 +434,8 @@ def test_the_early_ticket_has_no_copies_in_a_compiled_kernel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines()]
     assert [int(r[0]) for r in rows] == [1, 2, 4, 8], proc.stdout
-    for warps, size, *layout in rows:
+    for warps, size, *layout, barrier in rows:
+        assert barrier == "1", f"{warps} warps: a warp may reset the partials before another has read them"
         assert layout != ["not", "blocked"], f"{warps} warps: the ticket's layout is not a plain blocked one"
         per_thread, lanes, warps_in = (int(v) for v in layout)
         assert (lanes, warps_in) == (32, int(warps)) and int(size) % (per_thread * lanes * warps_in) == 0, \

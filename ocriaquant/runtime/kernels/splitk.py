@@ -29,9 +29,12 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 # the ticket, then the partials: two more round trips at the kernel's tail. Both sum the splits in the same order
 # (bit-identical outputs, tests/test_kernels.py). On an H100 (session 40, scripts/probe_splitk_tail.py) it took NVFP4
 # down_proj's batch-1 rule from 8.42 to 7.85 µs and every split NVFP4 tile 0.4-1.4 µs lower; but the FP8 tensor-core
-# form never finished a split launch there, because take_ticket's vector then had copies (its docstring), fixed since
-# and not yet run on a GPU: off by default until it has. OCRIAQUANT_SPLITK_EARLY=1 turns it on (read at import; the
-# module value at every launch, for A/Bs: ab_step's kernels.splitk.SPLITK_EARLY=1).
+# form never finished a split launch there, because take_ticket's vector then had copies (its docstring). Mended, that
+# form ran on an H100 (session 41: bit-identical; FP8 2560x4096 at batch 32, no split beat the unsplit rule's
+# 6.33 µs), but down_proj's 2-warp tile hung in back-to-back launches: one warp reset partials another had not read
+# yet (the barrier in store_or_reduce), mended and not yet run on a GPU: off by default until it has.
+# OCRIAQUANT_SPLITK_EARLY=1 turns it on (read at import; the module value at every launch, for A/Bs: ab_step's
+# kernels.splitk.SPLITK_EARLY=1).
 SPLITK_EARLY = int(os.environ.get("OCRIAQUANT_SPLITK_EARLY", "0"))
 # The bits of a workspace value not written yet: a NaN (sign set, all payload bits) that no arithmetic makes
 # (NVIDIA GPUs write every NaN they compute as 0x7FFFFFFF), so a partial never reads as UNSET.
@@ -326,6 +329,11 @@ def store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym,
             while missing > 0:  # their stores are on their way
                 total, missing = _gather_splits(acc, w_ptrs, mask, pid_k, BM, N, SPLIT_K)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            # Every warp has read every partial before any is reset: where the tile has fewer values than the CTA
+            # has threads, each warp holds a copy, counts `missing` over its own copy and leaves the loop on its
+            # own; a warp that reset a slot another was still waiting on hung it (NVFP4 down_proj, 2 warps, H100,
+            # session 41).
+            tl.debug_barrier()
             unset = tl.full((BM, BN), UNSET, tl.int32).to(tl.float32, bitcast=True)
             for s in tl.static_range(SPLIT_K):  # as found, for the next launch (after it, by stream order)
                 tl.store(w_ptrs + s * BM * N, unset, mask=mask & (tl.full(mask.shape, s, tl.int32) != pid_k))

@@ -199,28 +199,45 @@ def decode_speed(rt, batch: int, context: int, steps: int, vocab: int) -> float:
             gc.enable()
 
 
+class _StepClock:
+    """A stopping criterion that never stops: generate calls it once per new token, right after
+    that token is chosen, so the gaps between its stamps are decode steps, prefill excluded."""
+
+    def __init__(self, dev: torch.device):
+        self.dev, self.stamps = dev, []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def __deepcopy__(self, memo):  # generate may copy its criteria; the stamps must land here
+        return self
+
+
 def transformers_speed(hf, batch: int, context: int, new_tokens: int, vocab: int) -> float:
-    """Seconds per decode step of transformers `generate` (greedy): the time of new_tokens+1
-    tokens minus that of 1 (each the best of three), so prefill is not counted."""
+    """Seconds per decode step of transformers `generate` (greedy): the median gap between
+    consecutive tokens over three runs of new_tokens+1 tokens.
+
+    Each step is timed on its own, not as the difference of two whole `generate` timings: on a
+    loaded CPU with a tiny model that difference can come out zero or negative (CI saw it)."""
+    from transformers import StoppingCriteriaList
+
     dev = next(hf.parameters()).device
     ids = torch.randint(0, vocab, (batch, context), device=dev)
     mask = torch.ones_like(ids)
 
-    def run(n):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
+    def gaps(n):
+        clock = _StepClock(dev)
         hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    pad_token_id=0)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter() - t
+                    pad_token_id=0, stopping_criteria=StoppingCriteriaList([clock]))
+        if len(clock.stamps) != n:  # a generate that skips its criteria would time nothing
+            raise RuntimeError(f"generate stamped {len(clock.stamps)} of {n} tokens")
+        return [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
 
-    run(2)
-    # A difference of two timings: each is the best of three, or noise (a loaded CPU, a tiny
-    # model) can make it zero or negative.
-    best = lambda n: min(run(n) for _ in range(3))  # noqa: E731
-    return (best(1 + new_tokens) - best(1)) / new_tokens
+    gaps(2)  # warm-up
+    return statistics.median(g for _ in range(3) for g in gaps(1 + new_tokens))
 
 
 def synthetic_pages(n: int, megapixels: float) -> tuple[list, int]:
@@ -254,6 +271,9 @@ def run(checkpoint: Path | None, shape: str | None, plan: str, device: str, back
 
     if checkpoint is not None and shape is not None:
         raise OcriaError("give a checkpoint or --shape, not both")
+    if steps < 1 or (baseline and baseline_tokens < 1):
+        raise OcriaError(f"--steps and --baseline-tokens time at least 1 decode step each; got {steps}, "
+                         f"{baseline_tokens}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise OcriaError("no CUDA device here; run on a GPU, or use --device cpu --backend torch for a (slow) CPU run")
     if backend == "triton" and not device.startswith("cuda"):

@@ -114,6 +114,33 @@ def test_bench_refuses_bad_input_with_one_line():
     assert res.exit_code == 2 and "unknown shape 'gpt-5'" in res.output
     res = runner.invoke(app, ["bench", "--batches", "1,x", "--device", "cpu", "--backend", "torch"])
     assert res.exit_code == 2 and "comma-separated integers" in res.output
+    res = runner.invoke(app, ["bench", "--baseline-tokens", "0", "--device", "cpu", "--backend", "torch"])
+    assert res.exit_code == 2 and "at least 1 decode step" in res.output
+
+
+def test_transformers_speed_times_decode_steps_not_a_difference_of_runs():
+    """The baseline's seconds per step is what one decode step takes, however long the prefills
+    are: here each prefill sleeps longer than the last, so the old difference of a long run and a
+    short run (each best of three) came out negative, while every step stamped costs >= 50 ms."""
+    from ocriaquant.bench import transformers_speed
+    from ocriaquant.model.load import load_model
+
+    hf = load_model(None, "fp32")[0]
+    real, prefills = hf.forward, []
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # a prefill, longer each time
+            prefills.append(1)
+            time.sleep(0.1 * len(prefills))
+        else:
+            time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    hf.forward = forward
+    sec = transformers_speed(hf, batch=1, context=6, new_tokens=2, vocab=hf.config.text_config.vocab_size)
+    assert len(prefills) == 4  # the warm-up and three timed runs
+    assert 0.05 <= sec < 0.15  # a prefill here sleeps >= 0.2 s
 
 
 def test_named_plans_quantize_every_decoder_linear_once_in_their_formats():

@@ -23,6 +23,7 @@ import gc
 import math
 import statistics
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +41,7 @@ def copy_bandwidth(device: torch.device) -> float:
     """Bytes read + written per second by an elementwise kernel over 2 GiB. A same-dtype
     `copy_` goes to cudaMemcpy, which the copy engines serve at a lower rate (2.77 TB/s seen on
     an H200 against ~4.2 for a kernel); the roofline is about the SMs' own traffic.
-    scripts/bench_kernels.py uses this one too."""
+    benchmarks/ uses this one too."""
     x = torch.randn(2**29, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     for _ in range(2):
@@ -111,40 +112,13 @@ def build_shape(shape: str, plan: str, device: str, seed: int = 0):
     return hf, MemoryStore(tensors, f"{shape} (random weights, {plan})"), kinds, config, processor
 
 
-def add_step_args(ap, steps: int) -> None:
-    """The options of the scripts that time one decode step of a named shape (scripts/ab_step.py,
-    scripts/profile_step.py): --shape, --plan, --batch, --context, --max-len, --steps."""
-    ap.add_argument("--shape", default="qwen3.5-4b", help="a named shape (ocriaquant/model/configs.py)")
-    ap.add_argument("--plan", default="mixed", choices=PLANS)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512, help="tokens already cached per row")
-    ap.add_argument("--max-len", type=int, default=None,
-                    help="cache length per slot (default: context + steps + 16). `ocriaquant bench` sizes it for "
-                         "its synthetic pages (5092 at the 4B), and attention's chunk grid follows it")
-    ap.add_argument("--steps", type=int, default=steps, help="decode steps timed")
-
-
-def step_runtime(args, device: str, backend: str = "triton"):
-    """(runtime, vocab) of args.shape in args.plan with random weights (build_shape, its
-    transformers model dropped), args.batch slots of args.max_len: what add_step_args' scripts time."""
-    from .runtime.model_runner import RuntimeModel
-
-    max_len = args.max_len or args.context + args.steps + 16
-    if max_len < args.context + args.steps + 2:
-        raise OcriaError(f"--max-len {max_len} cannot hold --context {args.context} plus --steps {args.steps}")
-    _, store, kinds, config, _ = build_shape(args.shape, args.plan, device)
-    rt = RuntimeModel(None, device=device, max_slots=args.batch, max_len=max_len, backend=backend,
-                      source=(config, store, kinds))
-    return rt, config.text_config.vocab_size
-
-
 def step_bytes(rt, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step moves: weights as the triton path reads them, plus per row the GDN
     state (read + write) and the visible KV cache (read)."""
     from .runtime.layers import Attention, QuantLinear
 
     weights = 0
-    decoder = [rt.layers, rt.lm_head]
+    decoder = [rt.model.layers, rt.model.lm_head]
     for part in decoder:
         for m in part.modules():
             if not isinstance(m, QuantLinear):
@@ -156,7 +130,7 @@ def step_bytes(rt, batch: int, context: int) -> dict[str, float]:
             else:
                 weights += m.w_packed.numel() + m.w_scale.numel() + 4
     state = kv = 0
-    for layer, st in zip(rt.layers, rt.state):
+    for layer, st in zip(rt.model.layers, rt.state):
         if isinstance(layer.mixer, Attention):
             k = st["k"]
             kv += 2 * k.shape[1] * (context + 1) * k.shape[3] * k.element_size()
@@ -262,12 +236,37 @@ def page_speed(engine, encs: list[dict], concurrency: int, out_tokens: int) -> d
             "p90_s": round(q[8], 2), "tok_per_s": round(sum(len(r.tokens) for r in res) / wall, 1)}
 
 
-def run(checkpoint: Path | None, shape: str | None, plan: str, device: str, backend: str, batches: list[int],
-        context: int, steps: int, concurrency: list[int], pages: int | None, megapixels: float, out_tokens: int,
-        baseline: bool, baseline_tokens: int, cuda_graphs: bool, log: Callable[[str], None] = print) -> dict:
-    """Everything `ocriaquant bench` measures, as one report dict."""
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `ocriaquant bench` measures and how (the CLI's flags)."""
+    shape: str | None = None            # a named shape with random weights instead of a checkpoint
+    plan: str = "mixed"                 # with shape: one of PLANS
+    device: str = "cuda"
+    backend: str = "triton"
+    batches: tuple[int, ...] = (1, 8, 32, 64)  # decode batch sizes
+    context: int = 512                  # tokens cached per row when decode is timed
+    steps: int = 32                     # decode steps timed per batch
+    concurrency: tuple[int, ...] = (1, 8, 32, 64)  # page concurrency levels (empty: no pages)
+    pages: int | None = None            # pages per level (None: max(4, level))
+    megapixels: float = 4.1             # synthetic page size
+    out_tokens: int = 1000              # tokens generated per page, EOS ignored
+    baseline: bool = True               # transformers generate on the same weights
+    baseline_tokens: int = 16           # decode steps timed for transformers
+    cuda_graphs: bool = True
+    tiles: Path | None = None           # GEMV tile table file (None: recipes/tiles/h200.json)
+
+
+def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Callable[[str], None] = print,
+        **fields) -> dict:
+    """Everything `ocriaquant bench` measures, as one report dict. Named fields override options."""
+    o = replace(options, **fields)
+    shape, plan, device, backend, context, steps = o.shape, o.plan, o.device, o.backend, o.context, o.steps
+    batches, concurrency, pages, out_tokens = list(o.batches), list(o.concurrency), o.pages, o.out_tokens
+    baseline, baseline_tokens, cuda_graphs, tiles = o.baseline, o.baseline_tokens, o.cuda_graphs, o.tiles
+    from .runtime.config import RuntimeConfig
     from .runtime.engine import Engine
-    from .runtime.model_runner import RuntimeModel
+    from .runtime.model_runner import ModelRunner
+    from .runtime.tiles import TileTable
 
     if checkpoint is not None and shape is not None:
         raise OcriaError("give a checkpoint or --shape, not both")
@@ -285,7 +284,7 @@ def run(checkpoint: Path | None, shape: str | None, plan: str, device: str, back
         log("note: batches above 64 run eagerly (the GEMVs and the graph buckets stop at 64)")
     dev = torch.device(device)
     t0 = time.perf_counter()
-    page_list, side = synthetic_pages(max(pages or 0, max(concurrency) if concurrency else 0, 1), megapixels)
+    page_list, side = synthetic_pages(max(pages or 0, max(concurrency) if concurrency else 0, 1), o.megapixels)
     if shape is not None:
         log(f"building {shape} with random weights ({plan}) on {device}")
         hf, store, kinds, config, processor = build_shape(shape, plan, device)
@@ -306,12 +305,14 @@ def run(checkpoint: Path | None, shape: str | None, plan: str, device: str, back
     max_len = max(prompt_len + out_tokens, context + steps + 8) + 8
     slots = max(batches + concurrency)
     log(f"runtime: backend {backend}, {slots} slots, max_len {max_len} (page prompt {prompt_len} tokens)")
-    rt = RuntimeModel(checkpoint, device=device, max_slots=slots, max_len=max_len, backend=backend,
-                      cuda_graphs=cuda_graphs, source=source)
-    vocab = rt.config.text_config.vocab_size
+    rt = ModelRunner(checkpoint, RuntimeConfig(backend=backend, device=device, max_slots=slots, max_len=max_len,
+                                               cuda_graphs=cuda_graphs, tiles=TileTable.load(tiles) if tiles else None),
+                     source=source)
+    vocab = rt.hf_config.text_config.vocab_size
     bw = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     report = {"model": label, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "backend": backend, "cuda_graphs": rt.use_graphs, "torch": torch.__version__,
+              "backend": backend, "cuda_graphs": rt.use_graphs, "tiles": rt.tiles.source if rt.tiles else None,
+              "torch": torch.__version__,
               "copy_bandwidth_tb_s": round(bw / 1e12, 3), "context": context, "decode": [], "pages": [],
               "page_px": [side, side], "page_prompt_tokens": prompt_len, "out_tokens": out_tokens,
               "setup_s": round(time.perf_counter() - t0, 1)}
@@ -339,7 +340,7 @@ def run(checkpoint: Path | None, shape: str | None, plan: str, device: str, back
     del hf  # the baseline's memory goes back before the pages run
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    engine = Engine(None, model=rt, processor=processor)
+    engine = Engine(runner=rt, processor=processor)
     encs = [encode(p) for p in page_list]
     if concurrency:
         # Untimed: one page through the engine compiles the vision encoder's and prefill's kernels,

@@ -22,7 +22,7 @@ Hessian-trace bits) misses the activation quantization that dominates W8A8 / W4A
 and an unweighted ‖δy‖² ranks layers by activation scale rather than by how much the
 output depends on them (the lm_head and the last MLP are not alike).
 
-Validation (scripts/validate_sensitivity.py; results in scripts/results/): on the bundled
+Validation (benchmarks/validate_sensitivity.py; results in benchmarks/results/): on the bundled
 model, the estimate from 32 calibration pages ranks the 99 (group, kind) pairs — 33 groups ×
 FP8 W8A8 / NVFP4 W4A16 / NVFP4 W4A4 — against the KL measured on 12 held-out pages
 (2,235 target tokens) with each group alone quantized at Spearman 0.857 (FP8 0.66,
@@ -31,30 +31,32 @@ earlier, less trained state). The damage it ranks is now tiny (KL ~1e-8–1e-6 p
 FP8's damages are the closest together, so its within-FP8 ranking is the noisiest.
 
 The artifact is a directory: meta.json (fingerprint of model files, pages and settings),
-stats.safetensors, sensitivity.json. It is written to a temporary directory and renamed
-into place; a rerun with the same fingerprint does nothing; an interrupted run leaves
-OUT.partial/ (accumulators after each batch) and a rerun continues from it.
+stats.safetensors, sensitivity.json (its layout, reading and writing: artifacts.py). It is
+written to a temporary directory and renamed into place; a rerun with the same fingerprint
+does nothing; an interrupted run leaves OUT.partial/ (accumulators after each batch) and a
+rerun continues from it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from .artifacts import DEFAULT_CALIBRATION, calibration_fingerprint, stored_fingerprint, write_calibration
+# Re-exported: benchmarks/ and tests/test_runtime.py import them from here.
+from .artifacts import input_absmax, load_calibration, model_fingerprint, page_hash  # noqa: F401
 from .data import BUNDLED_PAGES, Page, load_pages, select_split
 from .errors import OcriaError
-from .files import write_json_atomic
+from .files import write_json_atomic, write_safetensors_atomic
 from .model import discover_groups, load_model
 from .model.generate import greedy_decode
 from .model.load import resolve_model_dir
@@ -62,8 +64,18 @@ from .model.processor import chat_text
 from .quant import fp8, nvfp4
 from .quant.simulate import KINDS, TARGETS, kind_for, quantize_input
 
-VERSION = 1
 FORMATS_Q = ("fp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class CalibrateOptions:
+    max_pages: int | None = 32     # None: every page of the split
+    split: str = "calibration"     # calibration (hash split), heldout or all
+    batch_size: int = 4            # pages per forward/backward pass
+    device: str = "cpu"
+    dtype: str = "fp32"
+    skip_bad: bool = False         # skip unreadable pages instead of failing
+    max_new_tokens: int = 1024     # length of the model's own targets for pages without ground truth
 
 
 @dataclass
@@ -72,35 +84,6 @@ class CalibResult:
     reused: bool
     pages: int
     seconds: float
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(model_dir.iterdir()):
-        if f.suffix in (".json", ".safetensors") and f.is_file():
-            h.update(f.name.encode())
-            h.update(_sha256_file(f).encode())
-    return h.hexdigest()[:32]
-
-
-def page_hash(page: Page) -> str:
-    h = hashlib.sha256(page.image.tobytes())
-    h.update(f"{page.image.size}|{page.prompt}|{page.reference}".encode())
-    return h.hexdigest()[:16]
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
 
 
 class _Collector:
@@ -204,38 +187,29 @@ def target_logits(net, inputs: dict, tpos: torch.Tensor) -> torch.Tensor:
 
 
 def calibrate(model: str | Path | None = None, pages: str | Path | None = None, out: str | Path | None = None,
-              max_pages: int | None = 32, batch_size: int = 4, device: str = "cpu", dtype: str = "fp32",
-              split: str = "calibration", skip_bad: bool = False, console: Console | None = None,
-              stop_after_batches: int | None = None, max_new_tokens: int = 1024) -> CalibResult:
-    """Run calibration, or reuse/resume an existing artifact. `stop_after_batches` exists for
-    the resume test: it stops as a crash would, leaving OUT.partial/ behind."""
+              options: CalibrateOptions | None = None, *, console: Console | None = None,
+              stop_after_batches: int | None = None, **fields) -> CalibResult:
+    """Run calibration, or reuse/resume an existing artifact. Fields of CalibrateOptions may
+    also be given by name (`max_pages=8`). `stop_after_batches` exists for the resume test: it
+    stops as a crash would, leaving OUT.partial/ behind."""
+    opts = replace(options or CalibrateOptions(), **fields)
     console = console or Console(stderr=True)
     t0 = time.time()
     model_dir = resolve_model_dir(model)
     pages_dir = Path(pages) if pages else BUNDLED_PAGES
-    out = Path(out) if out else Path("ocriaquant-out") / "calib"
-    chosen = select_split(load_pages(pages_dir, skip_bad=skip_bad).pages, split)
-    if max_pages:
-        chosen = chosen[:max_pages]
+    out = Path(out) if out else DEFAULT_CALIBRATION
+    chosen = select_split(load_pages(pages_dir, skip_bad=opts.skip_bad).pages, opts.split)
+    if opts.max_pages:
+        chosen = chosen[:opts.max_pages]
     if not chosen:
-        raise OcriaError(f"{pages_dir}: no {split} pages to calibrate on")
-    fingerprint = {
-        "version": VERSION, "model": model_fingerprint(model_dir),
-        "pages": [[p.name, page_hash(p)] for p in chosen],
-        "settings": {"batch_size": batch_size, "dtype": dtype, "device": device,
-                     "max_new_tokens": max_new_tokens if any(not p.has_reference for p in chosen) else None},
-    }
-    meta_path = out / "meta.json"
-    if out.exists():
-        # Never overwrite a directory we did not write: only an older artifact is replaced.
-        if not meta_path.exists() or not (out / "sensitivity.json").exists():
-            raise OcriaError(f"{out}: exists and is not a calibration artifact; choose another --out")
-        try:
-            if json.loads(meta_path.read_text()).get("fingerprint") == fingerprint:
-                console.print(f"{out}: up to date (same model, pages and settings); nothing to do")
-                return CalibResult(out, True, len(chosen), time.time() - t0)
-        except json.JSONDecodeError:
-            pass
+        raise OcriaError(f"{pages_dir}: no {opts.split} pages to calibrate on")
+    own_targets = any(not p.has_reference for p in chosen)
+    fingerprint = calibration_fingerprint(model_dir, chosen, {
+        "batch_size": opts.batch_size, "dtype": opts.dtype, "device": opts.device,
+        "max_new_tokens": opts.max_new_tokens if own_targets else None})
+    if stored_fingerprint(out) == fingerprint:
+        console.print(f"{out}: up to date (same model, pages and settings); nothing to do")
+        return CalibResult(out, True, len(chosen), time.time() - t0)
 
     partial = out.with_name(out.name + ".partial")
     acc: dict[str, torch.Tensor] = {}
@@ -251,13 +225,15 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
             shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
 
-    net, proc = load_model(model_dir, dtype=dtype, device=device)
+    net, proc = load_model(model_dir, dtype=opts.dtype, device=opts.device)
     net.requires_grad_(False)
     groups = discover_groups(net)
 
     # Targets: ground truth, or the model's own greedy output where there is none.
     need = [p for p in chosen if not p.has_reference]
-    own = dict(zip((p.name for p in need), greedy_decode(net, proc, need, max_new_tokens=max_new_tokens))) if need else {}
+    own = {}
+    if need:
+        own = dict(zip((p.name for p in need), greedy_decode(net, proc, need, max_new_tokens=opts.max_new_tokens)))
     targets = [p.reference if p.has_reference else own[p.name] for p in chosen]
 
     acc.setdefault("_target_tokens", torch.zeros((), dtype=torch.float64))
@@ -270,18 +246,18 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
         with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),
                       TimeElapsedColumn(), console=console, transient=True) as bar:
             task = bar.add_task("pages", total=len(chosen), completed=done)
-            for start in range(done, len(chosen), batch_size):
+            for start in range(done, len(chosen), opts.batch_size):
                 if stop_after_batches is not None and batches_run >= stop_after_batches:
                     return CalibResult(out, False, done, time.time() - t0)
-                chunk, tchunk = chosen[start: start + batch_size], targets[start: start + batch_size]
-                inputs, mask, tpos = teacher_forcing_batch(proc, chunk, tchunk, device)
+                chunk, tchunk = chosen[start: start + opts.batch_size], targets[start: start + opts.batch_size]
+                inputs, mask, tpos = teacher_forcing_batch(proc, chunk, tchunk, opts.device)
                 col.mask = mask
                 logits = target_logits(net, inputs, tpos)
                 loss = F.cross_entropy(logits.float(), inputs["input_ids"][tpos[:, 0], tpos[:, 1]], reduction="sum")
                 loss.backward()
                 acc["_target_tokens"] += float(tpos.shape[0])
                 done = start + len(chunk)
-                _atomic_save(acc, partial / "state.safetensors")
+                write_safetensors_atomic(partial / "state.safetensors", acc)
                 write_json_atomic(progress_path, {"fingerprint": fingerprint, "done_pages": done})
                 batches_run += 1
                 bar.update(task, completed=done)
@@ -309,9 +285,6 @@ def sensitivities(acc: dict[str, torch.Tensor], groups) -> dict[str, dict[str, d
 
 
 def _write_artifact(out: Path, acc, groups, fingerprint, model_dir: Path, pages_dir: Path, n_pages: int) -> None:
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     stats = {}
     for g in groups:
         if g.always_bf16:
@@ -322,32 +295,9 @@ def _write_artifact(out: Path, acc, groups, fingerprint, model_dir: Path, pages_
             stats[m + ".act_meansq"] = (acc[m + ".sqsum"] / max(cnt, 1.0)).float()
             stats[m + ".fisher"] = (acc[m + ".fisher"] / max(cnt, 1.0)).float()
             stats[m + ".tokens"] = torch.tensor([cnt])
-    save_file(stats, str(tmp / "stats.safetensors"))
-    (tmp / "sensitivity.json").write_text(json.dumps(sensitivities(acc, groups), indent=1))
     meta = {"fingerprint": fingerprint, "model_dir": str(model_dir), "pages_dir": str(pages_dir),
             "pages": n_pages, "target_tokens": float(acc["_target_tokens"]),
             "estimator": "fisher-weighted output error (see ocriaquant/calibrate.py)",
             "groups": [{"name": g.name, "kind": g.kind, "members": g.members, "always_bf16": g.always_bf16}
                        for g in groups]}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    old = out.with_name(out.name + f".old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def input_absmax(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per Linear, the largest |input| seen in calibration: the static W4A4 input global scale."""
-    suffix = ".act_absmax"
-    return {k[: -len(suffix)]: v.max() for k, v in stats.items() if k.endswith(suffix)}
-
-
-def load_calibration(path: str | Path) -> tuple[dict, dict, dict[str, torch.Tensor]]:
-    """(meta, sensitivity, stats) of an artifact."""
-    path = Path(path)
-    if not (path / "meta.json").exists():
-        raise OcriaError(f"{path}: not a calibration artifact (no meta.json); run `ocriaquant calibrate` first")
-    meta = json.loads((path / "meta.json").read_text())
-    sens = json.loads((path / "sensitivity.json").read_text())
-    return meta, sens, load_file(str(path / "stats.safetensors"))
+    write_calibration(out, meta, sensitivities(acc, groups), stats)

@@ -102,16 +102,19 @@ def calibrate(
     dtype: Annotated[str, typer.Option(help="fp32 (CPU default) or bf16.")] = "fp32",
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip unreadable pages with a warning.")] = False,
 ):
-    """Measure how your pages look inside the model and how much each layer group suffers
-    in FP8 or NVFP4, on H200 (NVFP4 weight-only) and B200 (NVFP4 W4A4) numerics.
+    """Measure how much each layer group suffers in FP8 or NVFP4 on your pages.
 
-    Pages are teacher-forced on their ground truth (NAME.md beside the image) or on the
-    model's own output. The artifact (OUT/meta.json, stats.safetensors, sensitivity.json) is
-    reused when model, pages and settings are unchanged; an interrupted run resumes.
+    Records how your pages look inside the model (activation statistics) and each group's
+    sensitivity on H200 (NVFP4 weight-only) and B200 (NVFP4 W4A4) numerics. Pages are
+    teacher-forced on their ground truth (NAME.md beside the image) or on the model's own
+    output. The artifact (OUT/meta.json, stats.safetensors, sensitivity.json) is reused when
+    model, pages and settings are unchanged; an interrupted run resumes.
     """
-    from .calibrate import calibrate as run
+    from .calibrate import CalibrateOptions, calibrate as run
 
-    res = run(model, pages, out, max_pages or None, batch_size, device, dtype, split, skip_bad, err_console)
+    opts = CalibrateOptions(max_pages=max_pages or None, split=split, batch_size=batch_size, device=device, dtype=dtype,
+                            skip_bad=skip_bad)
+    res = run(model, pages, out, opts, console=err_console)
     if not res.reused:
         console.print(f"calibrated on {res.pages} pages in {res.seconds:.1f}s -> {res.out}")
 
@@ -129,7 +132,7 @@ def search(
     max_ned_increase: Annotated[float, typer.Option(help="Tolerance: the chosen plan's NED increase over BF16, "
                                                     "95% upper bound.")] = 0.01,
     policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
-    latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from scripts/bench_kernels.py.")] = None,
+    latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from benchmarks/bench_kernels.py.")] = None,
     eval_pages: Annotated[int, typer.Option(help="Held-out pages decoded per candidate.")] = 16,
     candidates: Annotated[int, typer.Option(help="Frontier points evaluated besides BF16/FP8/NVFP4.")] = 4,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -137,12 +140,17 @@ def search(
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (default: 1.25x "
                                                           "the longest reference).")] = None,
 ):
-    """Choose a format per layer group: the fastest plan whose parsing quality on held-out
-    pages stays within the tolerance, with the Pareto frontier and evidence in a report."""
-    from .search import run_search
+    """Choose a format per layer group: the fastest plan within your quality tolerance.
 
-    rep = run_search(calib, pages, out, target, batch, max_ned_increase, policy, latency_table, eval_pages,
-                     candidates, device, dtype, max_new_tokens=max_new_tokens, console=err_console)
+    The plan's parsing quality on held-out pages stays within the tolerance (NED increase over
+    BF16, 95% upper bound); the Pareto frontier and the evidence go in a report."""
+    from .pipeline import default_calibration
+    from .search import SearchOptions, run_search
+
+    opts = SearchOptions(target=target, batch=batch, max_ned_increase=max_ned_increase, policy=policy,
+                         latency_table=latency_table, eval_pages=eval_pages, candidates=candidates, device=device,
+                         dtype=dtype, max_new_tokens=max_new_tokens)
+    rep = run_search(calib or default_calibration(err_console), pages, out, opts, console=err_console)
     console.print(f"[bold]{rep['chosen']}[/]: {rep['verdict']}")
     for c in rep["candidates"]:
         console.print(f"  {c['label']:<26} {c['target']}  {c['predicted_ms']:.4f} ms  NED {c['ned']:.4f}  "
@@ -165,16 +173,18 @@ def export(
     verify_pages: Annotated[int, typer.Option(help="Held-out pages on which the reloaded checkpoint is compared "
                                               "token for token with search's simulation (0: skip).")] = 16,
 ):
-    """Write the plan as a compressed-tensors checkpoint (llmcompressor oneshot, mixed precision,
-    one NVFP4 global scale per fused unit) with the processor files, recipe.yaml and ocriaquant.json.
+    """Write the plan as a mixed-precision compressed-tensors checkpoint.
 
-    Written to a temporary directory and renamed at the end: a failure leaves no partial --out.
-    Tensors transformers does not load (mtp.*) are carried over untouched. Then the checkpoint
-    is reloaded with transformers and checked against search's simulation of the plan.
+    llmcompressor oneshot, one NVFP4 global scale per fused unit; with the processor files,
+    recipe.yaml and ocriaquant.json. Written to a temporary directory and renamed at the end:
+    a failure leaves no partial --out. Tensors transformers does not load (mtp.*) are carried
+    over untouched. Then the checkpoint is reloaded with transformers and checked against
+    search's simulation of the plan.
     """
-    from .export import export as run
+    from .export import ExportOptions, export as run
 
-    path = run(plan, out, model, pages, force, max_pages, err_console, verify_pages)
+    path = run(plan, out, model, pages, ExportOptions(max_pages=max_pages, verify_pages=verify_pages, force=force),
+               console=err_console)
     console.print(f"wrote {path}")
 
 
@@ -189,28 +199,33 @@ def quantize(
     batch: Annotated[int, typer.Option(help="Serving batch the step time is predicted for.")] = 1,
     max_ned_increase: Annotated[float, typer.Option(help="Tolerated NED increase over BF16 (95% upper bound).")] = 0.01,
     policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
-    latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from scripts/bench_kernels.py.")] = None,
+    latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from benchmarks/bench_kernels.py.")] = None,
     calib_pages: Annotated[int, typer.Option(help="Calibration pages.")] = 32,
     eval_pages: Annotated[int, typer.Option(help="Held-out pages decoded per search candidate.")] = 16,
     verify_pages: Annotated[int, typer.Option(help="Held-out pages for the checkpoint's reload check (0: skip).")] = 16,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT/checkpoint.")] = False,
 ):
-    """Calibrate, search and export in one go: the fastest checkpoint whose quality on your
-    held-out pages stays within the tolerance.
+    """Calibrate, search and export in one go: the fastest checkpoint within your tolerance.
 
-    Each step's artifact stays in OUT (calib/, search/, checkpoint/); a rerun reuses an
-    unchanged calibration. If no quantized plan stays within the tolerance, BF16 is kept and
-    nothing is exported.
+    The checkpoint's quality on your held-out pages stays within the tolerance. Each step's
+    artifact stays in OUT (calib/, search/, checkpoint/); a rerun reuses an unchanged
+    calibration. If no quantized plan stays within the tolerance, BF16 is kept and nothing is
+    exported.
 
     Examples:\n
       ocriaquant quantize\n
       ocriaquant quantize ~/models/OCRia-1 --pages ~/my-pages --target b200 --max-ned-increase 0.02
     """
-    from .quantize import quantize as run
+    from .pipeline import QuantizeOptions, quantize as run
+    from .search import SearchOptions
 
-    res = run(model, pages, out, target, batch, max_ned_increase, policy, latency_table, calib_pages, eval_pages,
-              4, 16, verify_pages, device, force, err_console)
+    # quantize has no --dtype: fp32 on the CPU, bf16 on a GPU, for calibration and search alike.
+    search_opts = SearchOptions(target=target, batch=batch, max_ned_increase=max_ned_increase, policy=policy,
+                                latency_table=latency_table, eval_pages=eval_pages, device=device,
+                                dtype="fp32" if device == "cpu" else "bf16")
+    opts = QuantizeOptions(search=search_opts, calib_pages=calib_pages, verify_pages=verify_pages, force=force)
+    res = run(model, pages, out, opts, console=err_console)
     console.print(f"[bold]{res.report['chosen']}[/]: {res.report['verdict']}")
     times = ", ".join(f"{k} {v:.0f}s" for k, v in res.seconds.items())
     if res.checkpoint is None:
@@ -237,6 +252,8 @@ def parse(
     redo: Annotated[bool, typer.Option("--redo", help="Parse again pages whose NAME.md already exists.")] = False,
     backend: Annotated[str, typer.Option(help="torch (reference, CPU or GPU) or triton (decode kernels; GPU, or "
                                          "the CPU under TRITON_INTERPRET=1).")] = "torch",
+    tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
+                                                  "recipes/tiles/h200.json, swept on an H200).")] = None,
 ):
     """Parse pages to markdown with ocriaquant's own runtime.
 
@@ -250,7 +267,8 @@ def parse(
     from .data import BUNDLED_PAGES
     from .parse import parse as run
 
-    s = run(checkpoint, pages or BUNDLED_PAGES, out, device, max_new_tokens, max_batch, redo, err_console, backend)
+    s = run(checkpoint, pages or BUNDLED_PAGES, out, device, max_new_tokens, max_batch, redo, err_console, backend,
+            tiles=tiles)
     console.print(f"parsed {s['parsed']} of {s['pages']} pages ({s['already_done']} already done) in "
                   f"{s['seconds']:.1f}s, {s['tokens']} tokens ({s['tokens_per_s']} tok/s) -> {out}")
     for f in s["failed"]:
@@ -288,6 +306,8 @@ def bench(
     baseline: Annotated[bool, typer.Option(help="Also time transformers generate on the same weights.")] = True,
     baseline_tokens: Annotated[int, typer.Option(help="Decode steps timed for transformers.")] = 16,
     cuda_graphs: Annotated[bool, typer.Option(help="Replay the decode step as a CUDA graph per batch bucket.")] = True,
+    tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
+                                                  "recipes/tiles/h200.json, swept on an H200).")] = None,
     out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
 ):
     """Measure the runtime: decode tok/s per batch, pages/s and p50/p90 latency per concurrency,
@@ -301,12 +321,15 @@ def bench(
       ocriaquant bench --shape qwen3.5-4b --plan mixed\n
       ocriaquant bench ocriaquant-out/checkpoint --batches 1,8 --concurrency 8
     """
-    from .bench import run, table
+    from .bench import BenchOptions, run, table
     from .files import write_json_atomic
 
-    rep = run(checkpoint, shape, plan, device, backend, _ints(batches, "--batches"), context, steps,
-              _ints(concurrency, "--concurrency") if concurrency.strip() else [], pages, megapixels, out_tokens,
-              baseline, baseline_tokens, cuda_graphs, log=lambda m: err_console.print(f"[dim]{m}[/]"))
+    opts = BenchOptions(shape=shape, plan=plan, device=device, backend=backend,
+                        batches=tuple(_ints(batches, "--batches")), context=context, steps=steps,
+                        concurrency=tuple(_ints(concurrency, "--concurrency")) if concurrency.strip() else (),
+                        pages=pages, megapixels=megapixels, out_tokens=out_tokens, baseline=baseline,
+                        baseline_tokens=baseline_tokens, cuda_graphs=cuda_graphs, tiles=tiles)
+    rep = run(checkpoint, opts, log=lambda m: err_console.print(f"[dim]{m}[/]"))
     for t in table(rep):
         console.print(t)
     write_json_atomic(out, rep)
@@ -332,9 +355,11 @@ def eval_(
     Prints the mean normalized edit distance (NED) with a 95% bootstrap interval, CER, exact
     match and the worst page. With no arguments: the bundled model on the bundled held-out pages.
     """
-    from .evaluate import evaluate, write_report
+    from .evaluate import EvalOptions, evaluate, write_report
 
-    rep = evaluate(model, pages, split, dtype, device, batch_size, max_new_tokens, max_pages, skip_bad, console)
+    opts = EvalOptions(split=split, dtype=dtype, device=device, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                       max_pages=max_pages, skip_bad=skip_bad)
+    rep = evaluate(model, pages, opts, console=console)
     s = rep.summary()
     console.print(f"[bold]{rep.model}[/] on {s['pages']} {split} pages of {rep.pages} ({dtype}):")
     console.print(f"  NED {s['ned']:.4f}  95% CI [{s['ned_ci'][0]:.4f}, {s['ned_ci'][1]:.4f}]")

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -12,8 +11,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .data import BUNDLED_PAGES, load_pages, select_split
 from .errors import OcriaError
 from .eval import bootstrap_mean, cer, exact_match, ned
+from .files import write_json_atomic
 from .model import load_model
 from .model.generate import greedy_decode
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    split: str = "heldout"         # heldout, calibration or all
+    dtype: str = "bf16"
+    device: str = "cpu"
+    batch_size: int = 16           # pages decoded together
+    max_new_tokens: int = 512      # longest markdown, in tokens
+    max_pages: int | None = None   # None: every page of the split
+    skip_bad: bool = False         # skip unreadable pages instead of failing
 
 
 @dataclass
@@ -44,30 +55,29 @@ class EvalReport:
                 "worst_page": worst.name, "worst_ned": worst.ned}
 
 
-def evaluate(model: str | Path | None = None, pages: str | Path | None = None, split: str = "heldout",
-             dtype: str = "bf16", device: str = "cpu", batch_size: int = 16, max_new_tokens: int = 512,
-             max_pages: int | None = None, skip_bad: bool = False, console: Console | None = None) -> EvalReport:
+def evaluate(model: str | Path | None = None, pages: str | Path | None = None, options: EvalOptions | None = None,
+             *, console: Console | None = None, **fields) -> EvalReport:
+    """Decode the split's pages with ground truth; fields of EvalOptions may also be given by name."""
+    opts = replace(options or EvalOptions(), **fields)
     pages_dir = Path(pages) if pages else BUNDLED_PAGES
-    report = load_pages(pages_dir, skip_bad=skip_bad)
-    chosen = [p for p in select_split(report.pages, split) if p.has_reference]
-    if max_pages:
-        chosen = chosen[:max_pages]
+    report = load_pages(pages_dir, skip_bad=opts.skip_bad)
+    chosen = [p for p in select_split(report.pages, opts.split) if p.has_reference]
+    if opts.max_pages:
+        chosen = chosen[:opts.max_pages]
     if not chosen:
-        raise OcriaError(f"{pages_dir}: no {split} pages with ground truth (NAME.md / NAME.txt beside the image)")
-    net, proc = load_model(model, dtype=dtype, device=device)
+        raise OcriaError(f"{pages_dir}: no {opts.split} pages with ground truth (NAME.md / NAME.txt beside the image)")
+    net, proc = load_model(model, dtype=opts.dtype, device=opts.device)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("pages", total=len(chosen))
-        preds = greedy_decode(net, proc, chosen, batch_size=batch_size, max_new_tokens=max_new_tokens,
+        preds = greedy_decode(net, proc, chosen, batch_size=opts.batch_size, max_new_tokens=opts.max_new_tokens,
                               on_batch=lambda n: bar.advance(task, n))
     results = [PageResult(p.name, ned(y, p.reference), cer(y, p.reference), exact_match(y, p.reference), y)
                for p, y in zip(chosen, preds)]
-    return EvalReport(str(model or "bundled model"), str(pages_dir), split, dtype, results)
+    return EvalReport(str(model or "bundled model"), str(pages_dir), opts.split, opts.dtype, results)
 
 
 def write_report(report: EvalReport, path: Path) -> None:
-    data = {"model": report.model, "pages": report.pages, "split": report.split, "dtype": report.dtype,
-            "summary": report.summary(), "results": [asdict(r) for r in report.results]}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, {"model": report.model, "pages": report.pages, "split": report.split,
+                             "dtype": report.dtype, "summary": report.summary(),
+                             "results": [asdict(r) for r in report.results]})

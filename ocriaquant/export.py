@@ -14,11 +14,14 @@ before the checkpoint is compressed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from .artifacts import check_plan, input_absmax, is_calibration, load_calibration, load_plan
 from .errors import OcriaError
+from .files import replace_dir, temp_sibling
 from .model.groups import LayerGroup
 from .quant import nvfp4
 
@@ -26,29 +29,28 @@ from .quant import nvfp4
 NVFP4_PRESET = {"h200": "NVFP4A16", "b200": "NVFP4"}
 
 
-def build_recipe(plan: dict[str, str], groups: list[LayerGroup], target: str):
+@dataclass(frozen=True)
+class ExportOptions:
+    max_pages: int = 16       # calibration pages fed to llmcompressor's oneshot
+    verify_pages: int = 16    # held-out pages the reloaded checkpoint is checked on (0: skip the check)
+    force: bool = False       # replace an existing `out`, once the new checkpoint is complete
+
+
+def build_recipe(plan: dict[str, str], groups: list[LayerGroup], target: str, source: str | Path = "plan"):
+    """The llmcompressor recipe of a plan, checked against the model's groups (`source` names
+    the plan in errors)."""
     from compressed_tensors.quantization import preset_name_to_scheme
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
+    check_plan(plan, groups, target, source)
     by_name = {g.name: g for g in groups}
-    unknown = sorted(set(plan) - set(by_name))
-    if unknown:
-        raise OcriaError(f"plan names unknown layer groups: {', '.join(unknown[:5])}"
-                         f"{' …' if len(unknown) > 5 else ''} (see `ocriaquant info` for this model's groups)")
     members = {"fp8": [], "nvfp4": []}
     for name, fmt in plan.items():
-        if fmt == "bf16":
-            continue
-        if fmt not in members:
-            raise OcriaError(f"plan gives {name!r} the unknown format {fmt!r}; formats are bf16, fp8, nvfp4")
-        if by_name[name].always_bf16:
-            raise OcriaError(f"plan gives {name!r} {fmt}, but {by_name[name].kind} groups always stay BF16")
-        members[fmt] += by_name[name].members
+        if fmt != "bf16":
+            members[fmt] += by_name[name].members
     quantized = set(members["fp8"]) | set(members["nvfp4"])
     if not quantized:
-        raise OcriaError("plan quantizes no group: an all-BF16 plan needs no export")
-    if target not in NVFP4_PRESET:
-        raise OcriaError(f"plan names the unknown target {target!r}; targets are {', '.join(NVFP4_PRESET)}")
+        raise OcriaError(f"{source} quantizes no group: an all-BF16 plan needs no export")
     preset = {"fp8": "FP8_DYNAMIC", "nvfp4": NVFP4_PRESET[target]}
     config_groups = {fmt: preset_name_to_scheme(preset[fmt], names) for fmt, names in members.items() if names}
     ignore = [m for g in groups for m in g.members if m not in quantized]
@@ -200,9 +202,10 @@ def verify(ckpt, model_dir, plan: dict[str, str], target: str, absmax: dict[str,
     return res
 
 
-def export(plan_path, out, model=None, pages=None, force: bool = False, max_pages: int = 16, console=None,
-           verify_pages: int = 16):
+def export(plan_path, out, model=None, pages=None, options: ExportOptions | None = None, *, console=None,
+           **fields) -> Path:
     """Write the plan's compressed-tensors checkpoint to `out`, atomically, then verify it.
+    Fields of ExportOptions may also be given by name (`verify_pages=0`).
 
     Everything is written to a hidden sibling directory first and renamed into place at the
     end, so a failure midway leaves no partial `out` (and an existing `out` with --force is
@@ -210,76 +213,66 @@ def export(plan_path, out, model=None, pages=None, force: bool = False, max_page
     is reloaded with transformers and compared token for token with search's simulation on
     that many held-out pages; the agreement goes into ocriaquant.json."""
     import json
-    import os
     import shutil
     import time
 
     import yaml
     from rich.console import Console
 
-    from .calibrate import input_absmax, load_calibration, model_fingerprint
     from .data import BUNDLED_PAGES, load_pages, select_split
     from .model import discover_groups, load_model
     from .model.processor import save_processor
 
+    opts = replace(options or ExportOptions(), **fields)
     console = console or Console(stderr=True)
     plan_path, out = Path(plan_path), Path(out)
-    try:
-        plan_doc = json.loads(plan_path.read_text())
-        plan = plan_doc["groups"]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise OcriaError(f"{plan_path}: not a plan written by `ocriaquant search` ({e})") from e
-    target = plan_doc.get("target", "h200")
-    if out.exists() and not force:
+    plan = load_plan(plan_path)
+    target = plan.target
+    if out.exists() and not opts.force:
         raise OcriaError(f"{out}: already exists; choose another --out or pass --force to replace it")
-    model_dir = Path(model or plan_doc.get("model_dir") or "")
-    calib = plan_doc.get("calibration") or {}
-    expected = calib.get("fingerprint")
-    if expected and model_fingerprint(model_dir) != expected:
-        raise OcriaError(f"{model_dir}: does not match the model the plan was calibrated on "
-                         f"(fingerprint {expected}); export the model you calibrated, or calibrate again")
+    if model is None and plan.model_dir is None:
+        raise OcriaError(f"{plan_path}: names no model directory; pass --model")
+    model_dir = Path(model) if model is not None else plan.model_dir
+    plan.check_model(model_dir)
+    # The W4A4 input scales search simulated with, where the plan's calibration is still there.
     absmax = None
-    if calib.get("path") and (Path(calib["path"]) / "meta.json").exists():
-        absmax = input_absmax(load_calibration(calib["path"])[2])
+    if plan.calibration and is_calibration(plan.calibration):
+        absmax = input_absmax(load_calibration(plan.calibration).stats)
 
     from llmcompressor import oneshot
 
     t0 = time.time()
     net, proc = load_model(model_dir, dtype="bf16")
     groups = discover_groups(net)
-    recipe = build_recipe(plan, groups, target)  # validates the plan before any work
+    recipe = build_recipe(plan.groups, groups, target, plan_path)  # validates the plan before any work
     all_pages = load_pages(Path(pages) if pages else BUNDLED_PAGES).pages
-    calib_pages = select_split(all_pages, "calibration")[:max_pages]
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    calib_pages = select_split(all_pages, "calibration")[:opts.max_pages]
+    tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         oneshot(model=net, recipe=recipe, dataset=calibration_dataset(proc, calib_pages), data_collator=collate_one,
                 num_calibration_samples=len(calib_pages), sequential_targets=["Qwen3_5DecoderLayer"], processor=proc)
-        retied = retie_global_scales(net, plan, groups)
-        in_scales = set_input_global_scales(net, plan, groups, absmax) if absmax and target == "b200" else 0
+        retied = retie_global_scales(net, plan.groups, groups)
+        in_scales = set_input_global_scales(net, plan.groups, groups, absmax) if absmax and target == "b200" else 0
         net.save_pretrained(tmp, save_compressed=True)
         del net
         carried = carry_unloaded_tensors(model_dir, tmp)
         save_processor(proc, tmp)
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True)))
-        meta = {"plan": plan_doc, "target": target, "calibration_fingerprint": expected,
+        meta = {"plan": plan.to_json(), "target": target, "calibration_fingerprint": plan.model_fingerprint,
                 "retied_fused_units": retied, "input_global_scales_from_calibration": in_scales,
                 "carried_tensors": carried, "calibration_pages": [p.name for p in calib_pages],
                 "export_seconds": round(time.time() - t0, 1), "versions": _versions()}
-        if verify_pages:
-            held = [p for p in select_split(all_pages, "heldout") if p.has_reference][:verify_pages]
+        if opts.verify_pages:
+            held = [p for p in select_split(all_pages, "heldout") if p.has_reference][:opts.verify_pages]
             if held:
                 console.print(f"verifying: transformers reload vs search's simulation on {len(held)} held-out pages")
-                meta["verification"] = verify(tmp, model_dir, plan, target, absmax, held, console=console)
+                meta["verification"] = verify(tmp, model_dir, plan.groups, target, absmax, held, console=console)
                 v = meta["verification"]
                 console.print(f"verification: {v['identical_pages']}/{v['pages']} pages token-identical "
                               f"({v['agreement']:.0%})")
         (tmp / "ocriaquant.json").write_text(json.dumps(meta, indent=1))
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -5,15 +5,42 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
+
+
+def temp_sibling(path: Path, tag: str = "tmp") -> Path:
+    """A hidden name beside `path` for work in progress; the pid keeps two runs apart."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # the pid: two runs never share a temp file
+    tmp = temp_sibling(path)
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
 def write_json_atomic(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=1))
+
+
+def write_safetensors_atomic(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = temp_sibling(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished directory `tmp` to `out`; an existing `out` is moved aside first and
+    deleted only once the new one is in place."""
+    tmp, out = Path(tmp), Path(out)
+    old = temp_sibling(out, "old")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -15,11 +15,14 @@ from .files import write_json_atomic, write_text_atomic
 
 
 def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 1024, max_batch: int = 8,
-          redo: bool = False, console=None, backend: str = "torch") -> dict:
+          redo: bool = False, console=None, backend: str = "torch", tiles=None) -> dict:
+    """tiles: a GEMV tile table file for the triton backend (default: recipes/tiles/h200.json)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .data import load_pages
+    from .runtime.config import RuntimeConfig
     from .runtime.engine import Engine
+    from .runtime.tiles import TileTable
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -28,7 +31,8 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
     out.mkdir(parents=True, exist_ok=True)
     todo = [p for p in report.pages if redo or not (out / f"{Path(p.name).stem}.md").exists()]
     t0 = time.time()
-    engine = Engine(checkpoint, device=device, max_slots=max_batch, backend=backend)
+    engine = Engine(checkpoint, RuntimeConfig(backend=backend, device=device, max_slots=max_batch,
+                                              tiles=TileTable.load(tiles) if tiles else None))
     load_s = time.time() - t0
     tokens = 0
     t1 = time.time()

@@ -2,7 +2,7 @@
 
 1. Space: a YAML policy (recipes/default.yaml) pins or forbids formats by group pattern.
 2. Cost: predicted decode-step time per group and format on the target GPU, from a measured
-   latency table (scripts/bench_kernels.py) where it has the shape, otherwise bytes moved /
+   latency table (benchmarks/bench_kernels.py) where it has the shape, otherwise bytes moved /
    bandwidth (H200 4.8 TB/s, B200 8 TB/s).
 3. Solver: the exact Pareto frontier of predicted step time against summed sensitivity
    (calibration's expected KL per token), built group by group with dominated partial plans
@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import yaml
 
+from .artifacts import (DEFAULT_CALIBRATION, DEFAULT_SEARCH, Plan, calibrated_model, input_absmax, load_calibration,
+                        save_plan)
 from .errors import OcriaError
 from .files import write_json_atomic
 from .model.groups import BITS_PER_WEIGHT, FORMATS
@@ -30,6 +32,21 @@ from .model.groups import BITS_PER_WEIGHT, FORMATS
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_POLICY = RECIPES / "default.yaml"
 BANDWIDTH = {"h200": 4.8e12, "b200": 8.0e12}  # bytes/s
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    target: str = "h200"                  # h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4)
+    batch: int = 1                        # serving batch the step time is predicted for
+    max_ned_increase: float = 0.01        # tolerance: NED increase over BF16, 95% upper bound
+    policy: str | Path | None = None      # search-space YAML (None: recipes/default.yaml)
+    latency_table: str | Path | None = None  # measured latencies (None: bytes / bandwidth)
+    eval_pages: int = 16                  # held-out pages decoded per candidate
+    candidates: int = 4                   # frontier points evaluated besides BF16 / FP8 / NVFP4
+    device: str = "cpu"
+    dtype: str = "fp32"                   # compute dtype of the simulation
+    batch_size: int = 16                  # pages decoded together
+    max_new_tokens: int | None = None     # None: 1.25x the longest reference
 
 
 # ---------------------------------------------------------------------------- policy
@@ -211,50 +228,46 @@ def _decode(net, proc, pages, groups, plan, target, absmax, max_new_tokens, batc
 
 
 def run_search(calib: str | Path | None = None, pages: str | Path | None = None, out: str | Path | None = None,
-               target: str = "h200", batch: int = 1, max_ned_increase: float = 0.01,
-               policy: str | Path | None = None, latency_table: str | Path | None = None, eval_pages: int = 16,
-               candidates: int = 4, device: str = "cpu", dtype: str = "fp32", batch_size: int = 16,
-               max_new_tokens: int | None = None, console=None) -> dict:
+               options: SearchOptions | None = None, *, console=None, **fields) -> dict:
+    """Search the calibration artifact `calib` (default ocriaquant-out/calib) and write plan.json,
+    report.json, report.md and pareto.png to `out`; returns the report. Fields of SearchOptions
+    may also be given by name (`target="b200"`)."""
     from rich.console import Console
 
-    from .calibrate import calibrate, input_absmax, load_calibration, model_fingerprint
     from .data import load_pages, select_split
     from .eval import ned, paired_bootstrap
     from .model import discover_groups, load_model
     from .model.generate import default_max_new_tokens
 
+    opts = replace(options or SearchOptions(), **fields)
+    target, tolerance = opts.target, opts.max_ned_increase
     console = console or Console(stderr=True)
-    out = Path(out) if out else Path("ocriaquant-out") / "search"
-    calib_path = Path(calib) if calib else Path("ocriaquant-out") / "calib"
-    if calib is None and not (calib_path / "meta.json").exists():
-        console.print(f"no calibration at {calib_path}: calibrating the default model on the bundled pages first")
-        calibrate(out=calib_path, console=console)
-    meta, sens, stats = load_calibration(calib_path)
-    model_dir = Path(meta["model_dir"])
-    if model_fingerprint(model_dir) != meta["fingerprint"]["model"]:
-        raise OcriaError(f"{model_dir}: the model changed since {calib_path} was calibrated; calibrate again")
-    cost = CostModel.load(target, batch, latency_table)
-    pol = Policy.load(policy)
+    out = Path(out) if out else DEFAULT_SEARCH
+    calib_path = Path(calib) if calib else DEFAULT_CALIBRATION
+    calibration = load_calibration(calib_path)
+    sens, model_dir = calibration.sensitivity, calibrated_model(calibration, calib_path)
+    cost = CostModel.load(target, opts.batch, opts.latency_table)
+    pol = Policy.load(opts.policy)
 
-    net, proc = load_model(model_dir, dtype=dtype, device=device)
+    net, proc = load_model(model_dir, dtype=opts.dtype, device=opts.device)
     groups = {g.name: g for g in discover_groups(net)}
     allowed = pol.allowed(list(groups), {g for g, grp in groups.items() if grp.always_bf16})
-    options = {g: [(f, cost.group_time(groups[g], f), 0.0 if f == "bf16" else sens[target][g][f]) for f in fmts]
+    choices = {g: [(f, cost.group_time(groups[g], f), 0.0 if f == "bf16" else sens[target][g][f]) for f in fmts]
                for g, fmts in allowed.items() if groups[g].kind != "vision"}
-    frontier = pareto_frontier(options)
+    frontier = pareto_frontier(choices)
 
     def total(plan, tgt=target):
         t = sum(cost.group_time(groups[g], f) for g, f in plan.items() if groups[g].kind != "vision")
         d = sum(0.0 if f == "bf16" else sens[tgt][g][f] for g, f in plan.items() if groups[g].kind != "vision")
         return t, d
 
-    pages_dir = Path(pages) if pages else Path(meta["pages_dir"])
-    held = [p for p in select_split(load_pages(pages_dir).pages, "heldout") if p.has_reference][:eval_pages]
+    pages_dir = Path(pages) if pages else calibration.pages_dir
+    held = [p for p in select_split(load_pages(pages_dir).pages, "heldout") if p.has_reference][:opts.eval_pages]
     if not held:
         raise OcriaError(f"{pages_dir}: no held-out pages with ground truth to evaluate candidates on")
     tok = proc.tokenizer
-    max_new = max_new_tokens or default_max_new_tokens(tok, held)
-    absmax = input_absmax(stats)
+    max_new = opts.max_new_tokens or default_max_new_tokens(tok, held)
+    absmax = input_absmax(calibration.stats)
 
     plans: list[Candidate] = []
     for label, fmt, tgt in (("BF16", "bf16", target), ("all-FP8 (W8A8, both targets)", "fp8", target),
@@ -267,7 +280,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
     t_fp8 = total(uniform_plan(allowed, "fp8"))[0]
     t_slow = t_fp8 if t_fp8 > t_fast * 1.001 else total(uniform_plan(allowed, "bf16"))[0]
     chosen_idx: list[int] = []
-    for goal in np.linspace(t_fast, t_slow, candidates + 2)[1:-1]:
+    for goal in np.linspace(t_fast, t_slow, opts.candidates + 2)[1:-1]:
         i = int(np.argmin([abs(p.time - goal) for p in frontier]))
         if i not in chosen_idx:
             chosen_idx.append(i)
@@ -284,7 +297,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
         base_out = None
         for c in plans:
             bar.update(task, description=c.label)
-            preds = _decode(net, proc, held, groups, c.plan, c.target, absmax, max_new, batch_size)
+            preds = _decode(net, proc, held, groups, c.plan, c.target, absmax, max_new, opts.batch_size)
             if base_out is None:
                 base_out = preds
             c.ned = [ned(y, p.reference) for y, p in zip(preds, held)]
@@ -295,34 +308,33 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
         c.delta = paired_bootstrap(plans[0].ned, c.ned)
 
     fp8 = plans[1]
-    ok = [c for c in plans[1:] if c.target == target and c.delta.high <= max_ned_increase]
+    ok = [c for c in plans[1:] if c.target == target and c.delta.high <= tolerance]
     chosen = min(ok, key=lambda c: c.predicted_s) if ok else plans[0]
     verdict = (f"{chosen.label} is predicted {fp8.predicted_s / chosen.predicted_s:.2f}x the speed of all-FP8 "
                f"and raises NED by {chosen.delta.estimate:+.4f} (95% CI upper {chosen.delta.high:+.4f}, "
-               f"tolerance {max_ned_increase})")
+               f"tolerance {tolerance})")
     if chosen is plans[0]:
-        verdict = (f"no candidate stays within +{max_ned_increase} NED of BF16 at the 95% upper bound "
+        verdict = (f"no candidate stays within +{tolerance} NED of BF16 at the 95% upper bound "
                    f"(all-FP8: {fp8.delta.high:+.4f}); BF16 is kept. Raise --max-ned-increase or evaluate more pages.")
     elif chosen.predicted_s >= fp8.predicted_s and t_fp8 <= t_fast * 1.001:
         verdict = (f"no plan is predicted faster than all-FP8 with this cost model ({cost.source}): there, FP8 is "
                    "the fastest format for every group. " + verdict)
     elif chosen.predicted_s >= fp8.predicted_s:
         verdict = ("no plan beats all-FP8 within the tolerance: every faster candidate's NED increase exceeds "
-                   f"+{max_ned_increase} at the 95% upper bound. " + verdict)
+                   f"+{tolerance} at the 95% upper bound. " + verdict)
 
     out.mkdir(parents=True, exist_ok=True)
-    plan_json = {"target": target, "batch": batch, "groups": chosen.plan,
-                 "predicted": {"step_ms": chosen.predicted_s * 1e3, "damage_kl_per_token": chosen.damage,
-                               "cost_model": cost.source},
-                 "measured": chosen.summary(), "tolerance": max_ned_increase,
-                 "calibration": {"path": str(calib_path), "fingerprint": meta["fingerprint"]["model"]},
-                 "model_dir": str(model_dir)}
-    report = {"target": target, "batch": batch, "cost_model": cost.source, "verdict": verdict,
+    predicted = {"step_ms": chosen.predicted_s * 1e3, "damage_kl_per_token": chosen.damage, "cost_model": cost.source}
+    chosen_plan = Plan(groups=chosen.plan, target=target, model_dir=model_dir, calibration=calib_path,
+                       model_fingerprint=calibration.model_fingerprint,
+                       evidence={"batch": opts.batch, "predicted": predicted, "measured": chosen.summary(),
+                                 "tolerance": tolerance})
+    report = {"target": target, "batch": opts.batch, "cost_model": cost.source, "verdict": verdict,
               "chosen": chosen.label, "eval_pages": len(held), "frontier_points": len(frontier),
               "frontier": [{"predicted_ms": p.time * 1e3, "damage": p.damage,
                             "formats": {f: sum(v == f for v in p.plan.values()) for f in FORMATS}} for p in frontier],
               "candidates": [c.summary() for c in plans]}
-    write_json_atomic(out / "plan.json", plan_json)
+    save_plan(out / "plan.json", chosen_plan)
     write_json_atomic(out / "report.json", report)
     _write_markdown(out / "report.md", report, chosen, groups)
     _plot(out / "pareto.png", plans, chosen, target)

@@ -15,6 +15,9 @@ RNG) written atomically every `--save-every` steps and at the end, and `log.json
 stops cleanly after `--minutes` and a later `--resume` continues from the last state.
 Training pages come from seeds >= 10**6; the bundled held-out pages (calib_data/, seeds
 0..127, held-out by name hash) are never trained on, and are what `--eval-every` decodes.
+
+The bundled model's own training logs (its `log.jsonl` over all runs, and the printed output of its
+last run) are kept in benchmarks/results/train_reference_ocria-nano*.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,11 +11,16 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")
-def load_script():
-    """load_script(name): scripts/<name>.py as a fresh module (scripts/ is not a package)."""
+def load_benchmark():
+    """load_benchmark(name): benchmarks/<name>.py as a fresh module. benchmarks/ is not a package: its
+    tools import their shared modules (common.py, kernels_harness.py, ...) as top-level names, as
+    they do when run as `python benchmarks/<name>.py`, so benchmarks/ goes on sys.path."""
+    root = Path(__file__).parents[1] / "benchmarks"
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
     def load(name: str):
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

@@ -9,12 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ocriaquant.calibrate import calibrate, load_calibration
+from ocriaquant.artifacts import load_calibration
+from ocriaquant.calibrate import CalibrateOptions, calibrate
 from ocriaquant.errors import OcriaError
+
+EVERY_PAGE = CalibrateOptions(max_pages=None, batch_size=2, split="all")
 
 
 def _run(model_dir, pages, out, **kw):
-    return calibrate(model_dir, pages, out, max_pages=None, batch_size=2, split="all", **kw)
+    return calibrate(model_dir, pages, out, EVERY_PAGE, **kw)
 
 
 def _same(a, b):
@@ -83,8 +86,8 @@ def test_pages_without_ground_truth_use_model_output(tiny_model_dir, synth_pages
     pages = tmp_path / "pages"
     shutil.copytree(synth_pages, pages)
     (pages / "page-0000.md").unlink()
-    res = calibrate(tiny_model_dir, pages, tmp_path / "c", max_pages=2, batch_size=2, split="all",
-                    max_new_tokens=24)
+    res = calibrate(tiny_model_dir, pages, tmp_path / "c", CalibrateOptions(max_pages=2, batch_size=2, split="all",
+                                                                           max_new_tokens=24))
     assert res.pages == 2
 
 
@@ -95,3 +98,14 @@ def test_bad_out_and_missing_artifact(tiny_model_dir, synth_pages, tmp_path):
         _run(tiny_model_dir, synth_pages, tmp_path / "taken")
     with pytest.raises(OcriaError, match="run `ocriaquant calibrate`"):
         load_calibration(tmp_path / "nothing")
+
+
+def test_incomplete_artifact_names_what_is_missing(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "meta.json").write_text("{}")
+    (tmp_path / "half" / "sensitivity.json").write_text("{}")
+    with pytest.raises(OcriaError, match="no stats.safetensors.*calibrate` again"):
+        load_calibration(tmp_path / "half")
+    (tmp_path / "half" / "stats.safetensors").write_bytes(b"")
+    with pytest.raises(OcriaError, match="lacks the model fingerprint"):
+        load_calibration(tmp_path / "half")

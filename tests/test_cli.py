@@ -88,10 +88,10 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
     a GPU) is paid in bench's untimed warm-up, not by the first timed page: every page's latency
     stays below it."""
     from ocriaquant import bench
-    from ocriaquant.runtime.model_runner import RuntimeModel
+    from ocriaquant.runtime.model_runner import ModelRunner
 
     first_cost = 2.0
-    real = RuntimeModel.prefill
+    real = ModelRunner.prefill
     calls = []
 
     def prefill(self, enc, slot):
@@ -100,10 +100,10 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
             time.sleep(first_cost)
         return real(self, enc, slot)
 
-    monkeypatch.setattr(RuntimeModel, "prefill", prefill)
-    rep = bench.run(None, None, "mixed", "cpu", "torch", batches=[1], context=8, steps=1, concurrency=[1], pages=3,
-                    megapixels=0.2, out_tokens=2, baseline=False, baseline_tokens=2, cuda_graphs=False,
-                    log=lambda _: None)
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    rep = bench.run(None, bench.BenchOptions(device="cpu", backend="torch", batches=(1,), context=8, steps=1,
+                                             concurrency=(1,), pages=3, megapixels=0.2, out_tokens=2, baseline=False,
+                                             cuda_graphs=False), log=lambda _: None)
     (pages,) = rep["pages"]
     assert len(calls) == 4  # the warm-up's page and the three timed ones
     assert pages["pages"] == 3 and pages["p90_s"] < first_cost <= rep["pages_warmup_s"]

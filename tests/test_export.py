@@ -4,10 +4,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ocriaquant.artifacts import Plan, check_plan, load_plan, model_fingerprint, save_plan
 from ocriaquant.data import load_pages
 from ocriaquant.errors import OcriaError
-from ocriaquant.export import build_recipe, calibration_dataset, collate_one, retie_global_scales
-from ocriaquant.model import discover_groups, load_model
+from ocriaquant.export import ExportOptions, build_recipe, calibration_dataset, collate_one, retie_global_scales
+from ocriaquant.model import discover_groups, load_config, load_model, meta_model
 from ocriaquant.quant import fp8, nvfp4
 
 PLAN = {"layers.0.gdn_in": "nvfp4", "layers.0.mlp_up": "nvfp4", "layers.3.attn_qkv": "fp8",
@@ -39,6 +40,26 @@ def test_recipe_has_exact_names_and_ignore_list(tiny_model_dir):
     h200 = build_recipe(PLAN, groups, "h200").config_groups
     assert h200["nvfp4"].input_activations is None and cg["nvfp4"].input_activations is not None
     assert h200["fp8"].input_activations.dynamic
+
+
+def test_plan_round_trips_and_names_its_file_in_errors(tiny_model_dir, tmp_path):
+    """search writes, export reads: the plan keeps its numbers, and a plan this model cannot take
+    is refused naming the groups and the file, before any weights are read."""
+    groups = discover_groups(meta_model(load_config(tiny_model_dir)))
+    plan = Plan(groups=PLAN, target="b200", model_dir=tiny_model_dir, calibration=tmp_path / "calib",
+                model_fingerprint="f" * 32, evidence={"batch": 8, "tolerance": 0.02})
+    save_plan(tmp_path / "plan.json", plan)
+    back = load_plan(tmp_path / "plan.json")
+    assert back == plan and back.path == tmp_path / "plan.json"
+    check_plan(back.groups, groups, back.target, back.path)
+    with pytest.raises(OcriaError, match=r"plan\.json names unknown layer groups: layers\.42\.mlp_up, layers\.9\.attn_o"):
+        check_plan({"layers.9.attn_o": "fp8", "layers.42.mlp_up": "fp8"}, groups, "h200", back.path)
+    (tmp_path / "bad.json").write_text(json.dumps({"target": "h200", "groups": {"lm_head": "int4"}}))
+    with pytest.raises(OcriaError, match="bad.json gives 'lm_head' the unknown format 'int4'"):
+        load_plan(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text(json.dumps({"target": "a100", "groups": {}}))
+    with pytest.raises(OcriaError, match="bad.json names the unknown target 'a100'"):
+        load_plan(tmp_path / "bad.json")
 
 
 def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model_dir, synth_pages, tmp_path):
@@ -82,8 +103,6 @@ def test_oneshot_checkpoint_matches_our_numerics_with_tied_gdn_scales(tiny_model
 
 
 def _plan_file(tmp_path, model_dir, groups=None, target="h200"):
-    from ocriaquant.calibrate import model_fingerprint
-
     p = tmp_path / "plan.json"
     p.write_text(json.dumps({"target": target, "groups": groups or PLAN, "model_dir": str(model_dir),
                              "calibration": {"fingerprint": model_fingerprint(model_dir)}}))
@@ -95,7 +114,7 @@ def test_export_writes_a_checkpoint_atomically_and_refuses_to_overwrite(tiny_mod
     from ocriaquant import export as ex
 
     plan = _plan_file(tmp_path, tiny_model_dir)
-    out = ex.export(plan, tmp_path / "ckpt", pages=synth_pages, max_pages=2, verify_pages=0)
+    out = ex.export(plan, tmp_path / "ckpt", pages=synth_pages, options=ExportOptions(max_pages=2, verify_pages=0))
     names = {f.name for f in out.iterdir()}
     assert {"config.json", "recipe.yaml", "ocriaquant.json", "tokenizer.json", "preprocessor_config.json"} <= names
     meta = json.loads((out / "ocriaquant.json").read_text())

@@ -1,17 +1,38 @@
 """Every Triton kernel against its reference on fresh random inputs. On the CPU this runs under
-TRITON_INTERPRET=1 at small shapes (the README's test command sets it); scripts/bench_kernels.py
-runs the same checks at Qwen3.5-4B shapes on the GPU."""
+TRITON_INTERPRET=1 at small shapes (the README's test command sets it); benchmarks/bench_kernels.py
+runs the same checks at Qwen3.5-4B shapes on the GPU. The references are kernels/reference.py's,
+whose quantized formats are checked against ocriaquant.quant here too."""
 
-import importlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
+pytest.importorskip("triton")
+
+from ocriaquant.quant import fp8, nvfp4  # noqa: E402
+from ocriaquant.runtime.kernels import gemv_fp8 as gemv_fp8_module  # noqa: E402
+from ocriaquant.runtime.kernels import reference  # noqa: E402
+from ocriaquant.runtime.kernels.add_rmsnorm import add_rmsnorm  # noqa: E402
+from ocriaquant.runtime.kernels.attn_decode import attn_decode  # noqa: E402
+from ocriaquant.runtime.kernels.gdn_decode import gdn_decode  # noqa: E402
+from ocriaquant.runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402
+from ocriaquant.runtime.kernels.gemv_dot import gemv_dot  # noqa: E402
+from ocriaquant.runtime.kernels.gemv_fp8 import gemv_fp8, gemv_fp8_quantizing, quant_fp8_per_token  # noqa: E402
+from ocriaquant.runtime.kernels.gemv_nvfp4 import (gemv_nvfp4, gemv_nvfp4_silu, nvfp4_x_pairs, pack_m1,  # noqa: E402
+                                                   pure_loads)
+from ocriaquant.runtime.kernels.greedy_advance import greedy_advance  # noqa: E402
+from ocriaquant.runtime.kernels.partials import Partials  # noqa: E402
+from ocriaquant.runtime.kernels.qk_norm_rope import qk_norm_rope  # noqa: E402
+from ocriaquant.runtime.kernels.reference import (add_rmsnorm_ref, attn_decode_ref, gdn_decode_ref,  # noqa: E402
+                                                  gemv_bf16_ref, gemv_fp8_ref, gemv_nvfp4_ref, gemv_nvfp4_silu_ref,
+                                                  greedy_advance_ref, nvfp4_x_pairs_ref, qk_norm_rope_ref,
+                                                  silu_mul_quant_ref, step_inputs_ref)
+from ocriaquant.runtime.kernels.silu_mul_quant import silu_mul_quant  # noqa: E402
+from ocriaquant.runtime.kernels.splitk import l2_ahead, use_pdl  # noqa: E402
+from ocriaquant.runtime.kernels.step_inputs import step_inputs  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,13 +56,73 @@ def fp8_codes_match(got, want):
     return torch.equal(g[normal], w[normal]) and bool(((g - w).abs() <= 2.0**-9 + 1e-12).all())
 
 
+_LEAF_IMPORTS = r"""
+import importlib.abc, sys
+import torch  # before the finder: torch may probe for triton itself
+
+class NoTriton(importlib.abc.MetaPathFinder):  # as if triton were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTriton())
+import ocriaquant.runtime.kernels
+import ocriaquant.runtime.kernels.partials
+import ocriaquant.runtime.kernels.reference
+ours = sorted(m for m in sys.modules if m.startswith("ocriaquant"))
+print(" ".join(ours))
+"""
+
+
+def test_reference_partials_and_the_package_import_no_triton_nor_our_other_code():
+    """The torch backend imports kernels/reference.py and kernels/partials.py where Triton is not installed, and
+    kernels/ imports nothing of ours outside it: in a process where importing triton fails, the package and
+    those two modules import, and pull in no module of ours outside kernels/."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _LEAF_IMPORTS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = proc.stdout.split()
+    assert "ocriaquant.runtime.kernels.reference" in ours
+    assert [m for m in ours if not m.startswith("ocriaquant.runtime.kernels")] == ["ocriaquant", "ocriaquant.runtime"]
+
+
+def test_reference_quant_formats_equal_ocriaquant_quant():
+    """reference.py writes out the FP8 per-token and NVFP4 numerics it needs (kernels/ imports nothing of ours
+    outside it); bit for bit they are ocriaquant.quant's, on random values over many decades, zero rows and
+    blocks, -0, values on the E2M1 grid's ties and past its saturation, in bf16, fp16 and fp32."""
+    torch.manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(6, 512) * torch.logspace(-4, 4, 512)
+        x[0] = 0
+        x[1, :32] = -0.0
+        x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, -0.25, -0.75, -2.5, -5.0, -0.1,
+                                  1e-3, -6.5]) * 0.5  # a block whose absmax is 3.5: scale 7/12 · global
+        x[3, :16] = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+                                  -5.0, 6.0])  # absmax 6: the values are their own E2M1 multiples of the scale
+        x = x.to(dtype).to(DEV)
+        q, s = reference.fp8_quantize_per_token(x)
+        q_want, s_want = fp8.quantize_activation(x)
+        assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)) and torch.equal(s, s_want), dtype
+        assert s.dtype == s_want.dtype == dtype
+        assert torch.equal(reference.fp8_fake_quant_per_token(x), fp8.fake_quant_activation(x))
+        for gs in (nvfp4.global_scale(x), nvfp4.global_scale(x) * 0.01):  # * 0.01: small block scales, zeros
+            packed, scales = reference.nvfp4_quantize(x, gs)
+            p_want, s_want, _ = nvfp4.quantize_weight(x, gs)
+            assert torch.equal(packed, p_want) and torch.equal(scales.view(torch.uint8), s_want.view(torch.uint8))
+            for out in (torch.bfloat16, torch.float32):
+                assert torch.equal(reference.nvfp4_dequantize(packed, scales, gs, out),
+                                   nvfp4.dequantize(p_want, s_want, gs, out))
+            fq = reference.nvfp4_fake_quant(x, gs)
+            assert torch.equal(fq, nvfp4.fake_quant_activation(x, gs)) and fq.dtype == dtype
+            assert torch.equal(fq, nvfp4.fake_quant_weight(x, gs))
+
+
 @pytest.mark.parametrize("m,k", [(1, 4096), (3, 1000), (1, 5000)])
 def test_quant_fp8_per_token_slices(m, k):
     """Activation quantization equals quant/'s (compressed-tensors-exact) numerics however the
     row is shared out among programs (each reads it whole for the scale, writes a slice)."""
-    from ocriaquant.quant import fp8
-    from ocriaquant.runtime.kernels import quant_fp8_per_token
-
     torch.manual_seed(k)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
     q_ref, s_ref = fp8.quantize_activation(x)
@@ -54,9 +135,6 @@ def test_quant_fp8_per_token_slices(m, k):
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (1, 40, 640, 2), (5, 40, 768, 1),
                                          (16, 32, 1024, 3), (33, 16, 256, 1)])
 def test_gemv_fp8(m, n, k, split):
-    from ocriaquant.quant import fp8
-    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_ref, quant_fp8_per_token
-
     torch.manual_seed(m * 1000 + n)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
@@ -76,70 +154,70 @@ def test_gemv_fp8(m, n, k, split):
         gemv_fp8(torch.zeros(65, k, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(65, 1, device=DEV), w_q, w_s)
 
 
-@pytest.mark.parametrize("n,k", [(12352, 2560), (10240, 2560), (2560, 4096), (2560, 9216)])
-def test_gemv_fp8_m1_rule_tiles(n, k):
-    """The batch-1 tile tiles.m1_tile gives each of the 4B's FP8 shapes (split K, 8 warps, 64 or 128
-    rows) computes the product, on 200 of the shape's rows at its full K (ragged last row tile)."""
-    from ocriaquant.quant import fp8
-    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_quantizing, gemv_fp8_ref, quant_fp8_per_token
-    from ocriaquant.runtime.kernels.tiles import m1_tile
+# The runtime's batch-1 tiles for the 4B's shapes (its tile rules), kind -> {(N, K): tile}.
+M1_TILES = {
+    "fp8": {(12352, 2560): dict(block_n=64, block_k=512, num_warps=8),
+            (2560, 4096): dict(block_n=8, block_k=4096, split_k=1, num_warps=4),
+            (2560, 9216): dict(block_n=64, block_k=512, split_k=8, num_warps=8)},
+    "fp8_qx": {(2560, 4096): dict(block_n=128, block_k=256, split_k=8, num_warps=8)},
+    "nvfp4": {(12352, 2560): dict(block_n=32, block_k=512),
+              (2560, 4096): dict(block_n=4, block_k=4096, split_k=1, num_warps=4),
+              (2560, 9216): dict(block_n=8, block_k=1024, split_k=3, num_warps=2)},
+    "bf16": {(18432, 2560): dict(block_n=4, block_k=512),
+             (2560, 4096): dict(block_n=4, block_k=1024, num_warps=8),
+             (2560, 9216): dict(block_n=4, block_k=1024, num_warps=8),
+             (12352, 2560): dict(block_n=8, block_k=512)},
+}
+ROWS = 70  # of the shape's N, at its full K: a ragged last row tile at 4, 8, 32, 64 and 128 rows
 
+
+@pytest.mark.parametrize("n,k", list(M1_TILES["fp8"]))
+def test_gemv_fp8_m1_rule_tiles(n, k):
+    """The batch-1 tile the runtime gives each of the 4B's FP8 shapes (split K, 8 warps, 64 or 128 rows, or
+    narrow rows whole in one K-tile) computes the product, on ROWS of the shape's rows at its full K."""
     torch.manual_seed(n + k)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV) * 3
-    w_q, w_s = fp8.quantize_weight(torch.randn(200, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
+    w_q, w_s = fp8.quantize_weight(torch.randn(ROWS, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
     x_q, x_s = quant_fp8_per_token(x)
-    tile = m1_tile("fp8", n, k)
-    out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **tile)
+    tile = M1_TILES["fp8"][n, k]
+    out = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, ROWS), path="half2", **tile)
     assert torch.isfinite(out).all()
     assert rel(out, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
-    if k == 4096:  # out_proj / o_proj quantize their input themselves, from gdn_decode's / attention's amax,
-        amax = x.float().abs().amax().reshape(1)  # on a tile of their own (split: not every CTA quantizes all of K)
-        qx_tile = m1_tile("fp8_qx", n, k)
-        assert qx_tile != tile and qx_tile["split_k"] > 1
+    if (n, k) in M1_TILES["fp8_qx"]:  # out_proj / o_proj quantize their input themselves, from gdn_decode's /
+        amax = x.float().abs().amax().reshape(1)  # attention's amax, on a split tile (not every CTA quantizes all K)
+        qx_tile = M1_TILES["fp8_qx"][n, k]
         # bit for bit what quantizing first and then running the plain GEMV on the same tile gives
-        same_tile = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, 200), path="half2", **qx_tile)
+        same_tile = gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(1, ROWS), path="half2", **qx_tile)
         assert rel(same_tile, gemv_fp8_ref(x_q, x_s, w_q, w_s)) <= 1e-2
-        assert torch.equal(gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, 200), **qx_tile), same_tile)
+        assert torch.equal(gemv_fp8_quantizing(x, amax, w_q, w_s, out=poisoned(1, ROWS), **qx_tile), same_tile)
 
 
-@pytest.mark.parametrize("n,k", [(12352, 2560), (2560, 4096), (2560, 9216)])
+@pytest.mark.parametrize("n,k", list(M1_TILES["nvfp4"]))
 def test_gemv_nvfp4_m1_rule_tiles(n, k):
-    """The batch-1 tile tiles.m1_tile gives each of the 4B's NVFP4 shapes (down_proj: 8 rows on 2 warps, K in
-    3 splits) computes the product on 200 of the shape's rows at its full K (ragged last row tile), reduced in
-    the kernel and as the partials add_rmsnorm sums."""
-    from ocriaquant.quant import nvfp4
-    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
-    from ocriaquant.runtime.kernels.tiles import m1_tile
-
+    """The batch-1 tile the runtime gives each of the 4B's NVFP4 shapes (down_proj: 8 rows on 2 warps, K in
+    3 splits) computes the product on ROWS of the shape's rows at its full K, reduced in the kernel and as
+    the partials add_rmsnorm sums."""
     torch.manual_seed(n + k + 1)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
-    packed, scales, gs = nvfp4.quantize_weight(torch.randn(200, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
+    packed, scales, gs = nvfp4.quantize_weight(torch.randn(ROWS, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
     ref = gemv_nvfp4_ref(x, packed, scales, gs)
-    tile = m1_tile("nvfp4", n, k)
-    out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, 200), path="fma", **tile)
+    tile = M1_TILES["nvfp4"][n, k]
+    out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, ROWS), path="fma", **tile)
     assert torch.isfinite(out).all() and rel(out, ref) <= 1e-2
     if tile.get("split_k", 1) > 1:
         parts = gemv_nvfp4(x, packed, scales, gs, path="fma", partials=True, **tile).parts
         assert parts.shape[0] == tile["split_k"] and rel(parts.double().sum(0), ref) <= 1e-2
 
 
-@pytest.mark.parametrize("pure", [0, 1, 2])
 @pytest.mark.parametrize("block_n,block_k,warps,split", [(64, 512, 8, 1), (16, 256, 4, 2), (8, 1024, 2, 2)])
-def test_gemv_nvfp4_m1_load_forms(monkeypatch, pure, block_n, block_k, warps, split):
-    """The batch-1 kernel with its activations and block scales read either way (gemv_nvfp4.M1_PURE: laid out as
-    the tile uses them, on K-tiles of up to 512, or with 2 on every tile; or converted into its layout), on tiles
-    of both kinds: against float64, and with one-hot activations exactly the dequantized weight's columns, over a
-    zero block and a ragged last row tile."""
-    from ocriaquant.quant import nvfp4
-    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
-
-    # the module: the package's gemv_nvfp4 is the function
-    gemv_nvfp4_module = importlib.import_module("ocriaquant.runtime.kernels.gemv_nvfp4")
-    monkeypatch.setattr(gemv_nvfp4_module, "M1_PURE", pure)
-    assert gemv_nvfp4_module.pure_loads(block_k, False) == (pure == 2 or (pure == 1 and block_k <= 512))
-    assert gemv_nvfp4_module.pure_loads(block_k, True) == (pure == 2)
+def test_gemv_nvfp4_m1_load_forms(block_n, block_k, warps, split):
+    """The batch-1 kernel with its activations and block scales read either way (pure_loads: laid out as the
+    tile uses them on K-tiles of up to 512, converted into its layout on wider ones and in gemv_nvfp4_silu), on
+    tiles of both kinds: against float64, and with one-hot activations exactly the dequantized weight's columns,
+    over a zero block and a ragged last row tile."""
+    assert pure_loads(block_k, False) == (block_k <= 512) and not pure_loads(block_k, True)
     n, k = 76, 2 * split * block_k  # 76: a ragged last row tile at 8, 16 and 64 rows
-    torch.manual_seed(block_k + pure)
+    torch.manual_seed(block_k)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
     w[3, 16:32] = 0
     packed, scales, gs = nvfp4.quantize_weight(w)
@@ -147,8 +225,6 @@ def test_gemv_nvfp4_m1_load_forms(monkeypatch, pure, block_n, block_k, warps, sp
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     out = gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), **tile)
     assert torch.isfinite(out).all() and rel(out, gemv_nvfp4_ref(x, packed, scales, gs)) <= 1e-2
-    # a register cap (tiles.m1_tile's maxnreg; on the GPU a different compile) sums the same blocks the same way
-    assert torch.equal(gemv_nvfp4(x, packed, scales, gs, out=poisoned(1, n), maxnreg=128, **tile), out)
     want = nvfp4.dequantize(packed, scales, gs)
     tile["split_k"] = 1  # reduced in the kernel, whose bf16 cast truncates under the interpreter (rounding.py)
     for j in (0, 17, block_k + 5, k - 1):  # both words and halves of a block, a later K-tile, the last column
@@ -162,9 +238,6 @@ def test_gemv_fp8_quantizing_equals_quant_then_gemv(n, k, split, parts):
     """Batch 1, the bf16 row quantized inside the GEMV from its absmax in parts: bit for bit the
     output of quant_fp8_per_token then gemv_fp8 (same codes, same sums), whole and split K,
     partial sums too. Twice: each CTA's scratch is rewritten."""
-    from ocriaquant.quant import fp8
-    from ocriaquant.runtime.kernels import gemv_fp8, gemv_fp8_quantizing, gemv_fp8_ref, quant_fp8_per_token
-
     torch.manual_seed(n + k + parts)
     w_q, w_s = fp8.quantize_weight(torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5)
     for call in range(2):
@@ -189,9 +262,6 @@ def test_gemv_fp8_quantizing_equals_quant_then_gemv(n, k, split, parts):
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (1, 40, 640, 2), (7, 32, 768, 2),
                                          (20, 16, 1024, 1)])
 def test_gemv_nvfp4(m, n, k, split):
-    from ocriaquant.quant import nvfp4
-    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
-
     torch.manual_seed(m * 1000 + n + 1)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
@@ -217,16 +287,11 @@ def test_gemv_partials_feed_add_rmsnorm(fmt, split):
     """A batch-1 GEMV asked for partials returns its K splits unreduced (partials.Partials); summed
     in split order they are its output, and add_rmsnorm adds them up as it reads the residual,
     giving what it gives for that output in bf16, byte for byte. Unsplit, the output is plain."""
-    from ocriaquant.quant import fp8, nvfp4
-    from ocriaquant.runtime.kernels import add_rmsnorm, gemv_fp8, gemv_fp8_ref, gemv_nvfp4, gemv_nvfp4_ref
-    from ocriaquant.runtime.partials import Partials
-
     torch.manual_seed(split)
     n, k = 160, 1024
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
     if fmt == "fp8":
-        from ocriaquant.runtime.kernels import quant_fp8_per_token
 
         x_q, x_s, half = quant_fp8_per_token(x, half=True)
         w_q, w_s = fp8.quantize_weight(w)
@@ -273,10 +338,6 @@ def test_gemv_nvfp4_silu_pairs(i, k, block_k):
     """Batch 1: the fused gate_up GEMV whose epilogue writes silu(gate) · up as down_proj's
     activation pairs (pack_m1 interleaves the rows) equals the two-launch path — gemv_nvfp4,
     then silu_mul_quant — bit for bit, and the float64 reference to bf16 rounding."""
-    from ocriaquant.quant import nvfp4
-    from ocriaquant.runtime.kernels import gemv_nvfp4, silu_mul_quant
-    from ocriaquant.runtime.kernels.gemv_nvfp4 import gemv_nvfp4_silu, gemv_nvfp4_silu_ref, nvfp4_x_pairs, pack_m1
-
     torch.manual_seed(i + k)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(2 * i, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
@@ -298,9 +359,6 @@ def test_gemv_nvfp4_m1_activation_range(scale):
     """The M = 1 path scales each 16-value block of x into fp16 by a power of two (half2.py):
     tiny, huge and wide-ranging activations neither overflow nor lose the result; all-zero
     activations give zeros."""
-    from ocriaquant.quant import nvfp4
-    from ocriaquant.runtime.kernels import gemv_nvfp4, gemv_nvfp4_ref
-
     torch.manual_seed(7)
     n, k = 24, 512
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
@@ -322,10 +380,6 @@ def test_gemv_dot_swapped(fmt, m, n, k, block_n, block_k, split):
     """The tensor-core GEMV with the weight rows as the MMA's long side (what gemv_fp8 runs above
     batch 1) against float64, over uneven rows (N % block_n), uneven K (K % block_k) and split K,
     twice (its split-K tickets reset themselves), and equal to the plain form up to fp32 order."""
-    from ocriaquant.quant import fp8
-    from ocriaquant.runtime.kernels import gemv_bf16_ref, gemv_fp8_ref, quant_fp8_per_token
-    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
-
     torch.manual_seed(m * 7 + n + k)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
@@ -343,140 +397,32 @@ def test_gemv_dot_swapped(fmt, m, n, k, block_n, block_k, split):
     assert rel(out, gemv_dot(*args, out=poisoned(m, n), split_k=split)) <= 1e-2
 
 
-@pytest.mark.parametrize("form", ["nvfp4_m1", "fp8_m1", "bf16_m1", "fp8_dot", "bf16_plain", "nvfp4_dot"])
-def test_split_reductions_agree_and_leave_the_workspace_unset(monkeypatch, form):
-    """splitk.store_or_reduce's two split-K tails (SPLITK_EARLY: the ticket taken early and the partials read by
-    the last arrival, in a workspace of UNSET; or the acq_rel ticket after the stores) give the same output bit for
-    bit, launch after launch, and the early one leaves its workspace UNSET and its tickets at zero (what the next
-    launch relies on), on a ragged last row tile."""
-    from ocriaquant.quant import fp8, nvfp4
-    from ocriaquant.runtime.kernels import gemv_bf16, gemv_fp8, gemv_nvfp4, quant_fp8_per_token, splitk
-    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
-
-    m, n, k, split = (1, 76, 768, 3) if form.endswith("_m1") else (8, 72, 768, 3)
-    torch.manual_seed(k + n + m)
-    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
-    w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
-    if form.startswith("nvfp4"):
-        packed, scales, gs = nvfp4.quantize_weight(w)
-        run = lambda: gemv_nvfp4(x, packed, scales, gs, out=poisoned(m, n), block_n=16, block_k=256,  # noqa: E731
-                                 split_k=split, path="fma" if m == 1 else "dot")
-    elif form.startswith("bf16"):  # gemv_m1 at batch 1, gemv_dot's plain form above it
-        run = lambda: gemv_bf16(x, w, out=poisoned(m, n), block_n=16, block_k=256, split_k=split)  # noqa: E731
-    else:
-        w_q, w_s = fp8.quantize_weight(w)
-        x_q, x_s = quant_fp8_per_token(x)
-        if form == "fp8_m1":
-            run = lambda: gemv_fp8(x_q, x_s, w_q, w_s, out=poisoned(m, n), block_n=16, block_k=256,  # noqa: E731
-                                   split_k=split)
-        else:
-            run = lambda: gemv_dot(x_q, w_q, x_s, w_s, out=poisoned(m, n), block_n=32, block_k=128,  # noqa: E731
-                                   split_k=split, num_warps=4, num_stages=3, swap=True)
-    monkeypatch.setattr(splitk, "SPLITK_EARLY", 0)
-    old = run()
-    monkeypatch.setattr(splitk, "SPLITK_EARLY", 1)
-    for _ in range(2):
-        new = run()
-        assert torch.isfinite(new).all() and torch.equal(new.view(torch.int16), old.view(torch.int16))
-    early = [v for key, v in splitk._WORKSPACES.items() if key[0] == "gemv_early" and key[2][0] == split]
-    assert early
-    for ws, tick in early:
-        assert bool((ws.view(torch.int32) == splitk.UNSET.value).all()) and not tick.any()
-
-
-_TICKET_LAYOUT = r"""
-import re
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ocriaquant.runtime.kernels.splitk import store_or_reduce, take_ticket
-
-@triton.jit
-def early_tail(tick_ptr, y_ptr, ws_ptr, N, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, True, False)
-    acc = tl.zeros((1, BN), tl.float32) + pid_k
-    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, 1, N, 0, 1, BN, SPLIT_K, ticket, True)
-
-for warps in (1, 2, 4, 8):
-    sig = dict(tick_ptr="*i32", y_ptr="*bf16", ws_ptr="*fp32", N="i32", BN="constexpr", SPLIT_K="constexpr")
-    src = ASTSource(early_tail, sig, constexprs={(4,): 8, (5,): 3})
-    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps)).asm
-    ir, ptx = asm["ttgir"], asm["ptx"].splitlines()
-    line = next(ln for ln in ir.splitlines() if "atom.relaxed" in ln)
-    size, enc = re.search(r"-> tensor<(\d+)xi32, #(\w+)>", line).groups()
-    lay = re.search(rf"^#{enc} = #ttg\.blocked<\{{sizePerThread = \[(\d+)\], threadsPerWarp = \[(\d+)\], "
-                    rf"warpsPerCTA = \[(\d+)\]", ir, re.M)
-    # the reducer: its last read of the others' partials, then its first 32-bit store (the UNSET resets; y is bf16)
-    last_read = max(i for i, ln in enumerate(ptx) if "ld.volatile.global" in ln)
-    first_reset = next(i for i in range(last_read, len(ptx)) if "st.global.b32" in ptx[i])
-    barrier = any("bar.sync" in ln for ln in ptx[last_read:first_reset])
-    print(warps, size, *(lay.groups() if lay else ("not blocked",)), int(barrier))
-"""
-
-
-def test_the_early_tail_compiles_without_copies_or_a_reset_race(tmp_path):
-    """The EARLY_TICKET tail, compiled for sm_90 at 1–8 warps. take_ticket's vector is laid out one element per
-    thread slot with no thread holding a copy of another's element: a copy reads 0 where thread 0 read the ticket,
-    and Triton reduces over one copy, taking them to be equal; with a [16] vector the threads of a CTA disagreed on
-    which CTA reduces its tile, and the FP8 tensor-core GEMV hung at its tail on an H100 (BENCHMARKS.md, session
-    40). And the reducer waits at a barrier between its last read of the others' partials and its first reset of
-    them: its [1, 8] tile has a copy in every warp, each warp leaves the read loop on its own, and a warp that
-    reset a partial another warp had not read yet hung the NVFP4 down_proj GEMV at 2 warps (session 41). The
-    interpreter runs one program at a time and cannot show either, hence Triton's compiler here (no GPU needed),
-    in a process of its own (from a file: @triton.jit reads its source) since TRITON_INTERPRET=1 makes
-    @triton.jit build interpreted functions."""
-    script = tmp_path / "ticket_layout.py"
-    script.write_text(_TICKET_LAYOUT)
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    assert [int(r[0]) for r in rows] == [1, 2, 4, 8], proc.stdout
-    for warps, size, *layout, barrier in rows:
-        assert barrier == "1", f"{warps} warps: a warp may reset the partials before another has read them"
-        assert layout != ["not", "blocked"], f"{warps} warps: the ticket's layout is not a plain blocked one"
-        per_thread, lanes, warps_in = (int(v) for v in layout)
-        assert (lanes, warps_in) == (32, int(warps)) and int(size) % (per_thread * lanes * warps_in) == 0, \
-            f"{warps} warps: a ticket of {size} elements, {per_thread}/thread, 32 lanes, {warps_in} warps has copies"
-
-
-def test_gemv_fp8_batch_tiles_from_the_rule_or_the_override(monkeypatch):
-    """Above batch 1 gemv_fp8 takes tiles.dot_tile's tile, an explicit argument over it, and
-    OCRIAQUANT_TILE_fp8_dot_<n>x<k> over the rule."""
-    import importlib
-
-    from ocriaquant.runtime.kernels.gemv_dot import gemv_dot
-    from ocriaquant.runtime.kernels.tiles import dot_tile
-
-    gf = importlib.import_module("ocriaquant.runtime.kernels.gemv_fp8")  # the module, not the function
-
+def test_gemv_fp8_default_tiles_and_explicit_arguments(monkeypatch):
+    """gemv_fp8 takes its plain default tile (DOT_TILE above batch 1, M1_TILE at batch 1) where the caller gives
+    none, each argument given over it, and a whole tile as given."""
     seen = []
-    monkeypatch.setattr(gf, "gemv_dot", lambda *a, **kw: seen.append(kw) or gemv_dot(*a, **kw))
+    monkeypatch.setattr(gemv_fp8_module, "gemv_dot", lambda *a, **kw: seen.append(kw) or gemv_dot(*a, **kw))
     w_q = torch.zeros(64, 256, dtype=torch.float8_e4m3fn, device=DEV)
     x_q, x_s, w_s = torch.zeros(4, 256, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(4, 1, device=DEV), \
         torch.ones(64, 1, device=DEV)
-    rule = dot_tile("fp8", 64, 256, 4)
-    gf.gemv_fp8(x_q, x_s, w_q, w_s)
-    gf.gemv_fp8(x_q, x_s, w_q, w_s, block_k=64)
-    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2")
-    gf.gemv_fp8(x_q, x_s, w_q, w_s)
-    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2,6")  # and the pipeline's depth
-    gf.gemv_fp8(x_q, x_s, w_q, w_s)
-    assert seen[0]["swap"] and {k: seen[0][k] for k in rule} == rule
-    assert seen[1]["block_k"] == 64 and seen[1]["block_n"] == rule["block_n"]
-    assert (seen[2]["block_n"], seen[2]["block_k"], seen[2]["num_warps"], seen[2]["split_k"]) == (32, 64, 4, 2)
-    assert seen[2]["num_stages"] == 4 and seen[3]["num_stages"] == 6 and seen[3]["split_k"] == 2
-    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_64x256", "32,64,4,2,6,1")
-    with pytest.raises(ValueError, match="num_stages"):
-        gf.gemv_fp8(x_q, x_s, w_q, w_s)
+    whole = dict(block_n=32, block_k=64, num_warps=4, split_k=2, num_stages=2)
+    for kw in ({}, dict(block_k=64), whole):
+        assert torch.equal(gemv_fp8(x_q, x_s, w_q, w_s, **kw), torch.zeros(4, 64, dtype=torch.bfloat16, device=DEV))
+    assert seen[0]["swap"] and {k: seen[0][k] for k in gemv_fp8_module.DOT_TILE} == gemv_fp8_module.DOT_TILE
+    assert seen[1]["block_k"] == 64 and seen[1]["block_n"] == gemv_fp8_module.DOT_TILE["block_n"]
+    assert {k: seen[2][k] for k in whole} == whole
+    seen_m1 = []
+    real = gemv_fp8_module._gemv_fp8_m1
+    monkeypatch.setattr(gemv_fp8_module, "_gemv_fp8_m1", lambda *a, **kw: seen_m1.append(a[4:10]) or real(*a, **kw))
+    gemv_fp8(x_q[:1], x_s[:1], w_q, w_s)
+    gemv_fp8(x_q[:1], x_s[:1], w_q, w_s, num_warps=2)
+    t = gemv_fp8_module.M1_TILE
+    assert seen_m1[0][1:] == (t["block_n"], t["block_k"], None, t["num_warps"], t["num_stages"])
+    assert seen_m1[1][1:] == (t["block_n"], t["block_k"], None, 2, t["num_stages"])
 
 
 @pytest.mark.parametrize("m,n,k,split", [(1, 48, 512, None), (1, 40, 768, 2), (6, 32, 768, 2), (17, 16, 512, 1)])
 def test_gemv_bf16(m, n, k, split):
-    from ocriaquant.runtime.kernels import gemv_bf16, gemv_bf16_ref
-
     torch.manual_seed(m * 1000 + n + 2)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
@@ -494,8 +440,6 @@ def test_gemv_bf16(m, n, k, split):
 def test_gemv_bf16_silu(i, k, block_n, block_k):
     """Batch 1, a BF16 fused gate_up with silu·mul in its epilogue equals the two-launch path
     (gemv_bf16, then silu_mul_quant "bf16") bit for bit, and the float64 product to bf16 rounding."""
-    from ocriaquant.runtime.kernels import gemv_bf16, silu_mul_quant
-
     torch.manual_seed(i + k)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(2 * i, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
@@ -510,33 +454,27 @@ def test_gemv_bf16_silu(i, k, block_n, block_k):
         gemv_bf16(x.repeat(2, 1), w, silu=True)
 
 
-@pytest.mark.parametrize("n,k", [(18432, 2560), (2560, 4096), (2560, 9216), (12352, 2560)])
+@pytest.mark.parametrize("n,k", list(M1_TILES["bf16"]))
 def test_gemv_bf16_m1_rule_tiles(n, k):
-    """The batch-1 tile tiles.m1_tile gives each of the 4B's BF16 shapes (down to 4 rows a CTA,
-    8 warps on the wide K) computes the product at the shape's full K on 100 rows (ragged last
-    tile); the fused gate_up (18432 rows) as the runtime runs it, with silu·mul in its epilogue."""
-    from ocriaquant.runtime.kernels import gemv_bf16, gemv_bf16_ref
-    from ocriaquant.runtime.kernels.tiles import m1_tile
-
+    """The batch-1 tile the runtime gives each of the 4B's BF16 shapes (down to 4 rows a CTA, 8 warps on the
+    wide K) computes the product at the shape's full K on ROWS rows; the fused gate_up (18432 rows) as the
+    runtime runs it, with silu·mul in its epilogue."""
     torch.manual_seed(n + k)
     x = torch.randn(1, k, dtype=torch.bfloat16, device=DEV)
-    tile = m1_tile("bf16", n, k)
+    tile = M1_TILES["bf16"][n, k]
     if n == 18432:
-        w = torch.randn(2 * 100, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
-        h = gemv_bf16(x, w, out=poisoned(1, 100), silu=True, **tile)
-        g64, u64 = (x.double() @ w.double().T).split(100, dim=1)
+        w = torch.randn(2 * ROWS, k, dtype=torch.bfloat16, device=DEV) * 2 / k**0.5
+        h = gemv_bf16(x, w, out=poisoned(1, ROWS), silu=True, **tile)
+        g64, u64 = (x.double() @ w.double().T).split(ROWS, dim=1)
         assert rel(h, g64 * g64.sigmoid() * u64) <= 1e-2
     else:
-        w = torch.randn(100, k, dtype=torch.bfloat16, device=DEV) / k**0.5
-        out = gemv_bf16(x, w, out=poisoned(1, 100), **tile)
+        w = torch.randn(ROWS, k, dtype=torch.bfloat16, device=DEV) / k**0.5
+        out = gemv_bf16(x, w, out=poisoned(1, ROWS), **tile)
         assert torch.isfinite(out).all() and rel(out, gemv_bf16_ref(x, w)) <= 1e-2
 
 
 @pytest.mark.parametrize("m,i", [(1, 320), (6, 2048 + 64), (9, 96)])
 def test_silu_mul_quant(m, i):
-    from ocriaquant.quant import nvfp4
-    from ocriaquant.runtime.kernels import silu_mul_quant, silu_mul_quant_ref
-
     torch.manual_seed(m + i)
     gu = torch.randn(m, 2 * i, dtype=torch.bfloat16, device=DEV) * 2
     gate, up = gu[:, :i], gu[:, i:]  # halves of a fused gate_up output: strided rows
@@ -559,8 +497,6 @@ def test_silu_mul_quant(m, i):
     h_ref = silu_mul_quant_ref(gate, up, "bf16")
     assert torch.equal(silu_mul_quant(gate, up, "bf16", block=256), h_ref)
     if i % 16 == 0:
-        from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs_ref
-
         h, (words, scales) = silu_mul_quant(gate, up, "bf16", block=256, pairs=True)
         w_ref, s_ref = nvfp4_x_pairs_ref(h_ref)
         assert torch.equal(h, h_ref) and torch.equal(words, w_ref) and torch.equal(scales, s_ref)
@@ -588,8 +524,6 @@ def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
     """vb: V-blocks per value head; above 1 the o norm and the q/k conv shift go through the
     per-key-head ticket (the last program does them). A state tile above 32 × 128 (the last
     case) is loaded after the wait and streamed past L2, as at B ≥ 8 on the 4B."""
-    from ocriaquant.runtime.kernels import gdn_decode, gdn_decode_ref
-
     inp = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
     slots = torch.tensor([4, 0, -1, 2], dtype=torch.int32, device=DEV)  # row 2 is padding
     out_ref, cs_ref, st_ref = gdn_decode_ref(**inp, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V)
@@ -604,8 +538,6 @@ def test_gdn_decode_matches_reference_and_skips_padding(H, HV, K, V, vb):
         assert torch.equal(inp["state"][s], st0[s]) and torch.equal(inp["conv_state"][s], cs0[s])
     # quant="fp8": the output also quantized per token in the same launch (an FP8 out_proj's
     # input), exactly quant_fp8_per_token's codes, scales and fp16 pairs of the bf16 output
-    from ocriaquant.runtime.kernels import quant_fp8_per_token
-
     for half in (False, True):
         inp2 = _gdn_inputs(4, 6, H, HV, K, V, seed=H * 100 + K)
         o, got = gdn_decode(**inp2, slots=slots, num_k_heads=H, head_k_dim=K, head_v_dim=V, v_blocks=vb,
@@ -627,8 +559,6 @@ def test_gdn_decode_two_steps_equal_transformers_recurrence():
     (torch_recurrent_gated_delta_rule, state [B, HV, K, V]) fed the same q/k/v: the state
     layout [V, K] is not transposed."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
-
-    from ocriaquant.runtime.kernels import gdn_decode
 
     H, HV, K, V = 1, 2, 16, 32
     inp = _gdn_inputs(1, 1, H, HV, K, V, seed=7)
@@ -659,8 +589,6 @@ def test_gdn_decode_two_steps_equal_transformers_recurrence():
 def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
     """Split-sequence decode attention against float64 softmax over each row's visible prefix:
     rows at length 0, inside the first chunk, across chunks and at the last position."""
-    from ocriaquant.runtime.kernels import attn_decode, attn_decode_ref
-
     torch.manual_seed(heads + max_len)
     kc = torch.randn(5, kvh, max_len, hd, dtype=torch.bfloat16, device=DEV)
     vc = torch.randn_like(kc)
@@ -688,8 +616,6 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
         assert rel(one, want_gated[i:i + 1]) <= 1e-2 and torch.equal(amax1, one.float().abs().amax(-1))
     # quant="fp8": each row also quantized per token in the merge launch (an FP8 o_proj's
     # input), exactly quant_fp8_per_token's codes and scales of the bf16 output
-    from ocriaquant.runtime.kernels import quant_fp8_per_token
-
     o, (q8, s8) = attn_decode(q, kc, vc, slots, lengths, hd**-0.5, gate=qg[:, :, hd:], quant="fp8")
     assert torch.equal(o, gated)
     want_q, want_s = quant_fp8_per_token(o.reshape(4, -1))
@@ -703,8 +629,6 @@ def test_attn_decode_matches_reference(heads, kvh, hd, max_len):
 def test_qk_norm_rope_equals_torch_ops(heads, kvh, hd, rot):
     """q/k RMSNorm + RoPE + the cache write in one launch give the torch backend's bf16 values
     exactly (the same roundings), from strided views of a fused q/gate + k + v output."""
-    from ocriaquant.runtime.kernels import qk_norm_rope, qk_norm_rope_ref
-
     torch.manual_seed(heads + hd)
     b, max_len = 3, 40
     fused = torch.randn(b, heads * 2 * hd + 2 * kvh * hd, dtype=torch.bfloat16, device=DEV) * 2
@@ -732,7 +656,6 @@ def test_step_inputs_equal_the_torch_ops(shape):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
     from ocriaquant.model.configs import SHAPES, tiny_config
-    from ocriaquant.runtime.kernels import step_inputs, step_inputs_ref
 
     tc = (tiny_config() if shape == "tiny" else SHAPES[shape]()).text_config
     rotary = Qwen3_5TextRotaryEmbedding(tc).to(DEV)
@@ -759,8 +682,6 @@ def test_greedy_advance_equals_argmax_and_meta_update(b, v):
     """Each row's argmax (ties to the first index, a NaN first, as torch.argmax), written as the
     tokens and the next step's input: lengths + 1 except on the sentinel slot. Twice: the tickets
     reset themselves."""
-    from ocriaquant.runtime.kernels import greedy_advance, greedy_advance_ref
-
     torch.manual_seed(b * v)
     sentinel = 9
     for call in range(2):
@@ -786,8 +707,6 @@ def test_greedy_advance_equals_argmax_and_meta_update(b, v):
 def test_add_rmsnorm_matches_torch_ops(b, d):
     """The fused residual add + RMSNorm gives the torch ops' BF16 sum exactly and their norm
     to within one BF16 rounding (fp32 sums in another order)."""
-    from ocriaquant.runtime.kernels import add_rmsnorm, add_rmsnorm_ref
-
     torch.manual_seed(d)
     x, h = (torch.randn(b, d, device=DEV) * 3).bfloat16(), torch.randn(b, d, device=DEV).bfloat16()
     w = (torch.randn(d, device=DEV) * 0.1).bfloat16()
@@ -799,9 +718,6 @@ def test_add_rmsnorm_matches_torch_ops(b, d):
     assert r2 is x and rel(y2, add_rmsnorm_ref(x, None, w, 1e-6)[1]) <= 4e-3
     # quant="fp8": the bf16 output is the same, and its FP8 codes and scale are quant_fp8_per_token's;
     # at B = 1 also the codes' values × 2^-8 in fp16, what gemv_fp8's batch-1 kernel reads
-    from ocriaquant.runtime.kernels import quant_fp8_per_token
-    from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs_ref
-
     r3, y3, (q3, s3, *half) = add_rmsnorm(x, h, w, 1e-6, quant="fp8")
     assert torch.equal(r3, r) and torch.equal(y3, y)
     q_ref, s_ref = quant_fp8_per_token(y3)
@@ -832,8 +748,6 @@ def test_nvfp4_x_pairs_equal_reference():
     become fp16 subnormals, and a row that is not a whole number of kernel blocks. A block of
     fp32 subnormals (|x| < 2^-126) only has to stay finite and tiny: the interpreter's and the
     GPU's handling of those differ, and they add nothing a BF16 output could hold."""
-    from ocriaquant.runtime.kernels.gemv_nvfp4 import nvfp4_x_pairs, nvfp4_x_pairs_ref
-
     torch.manual_seed(11)
     k = 1024 + 96
     x = torch.randn(3, k, device=DEV) * torch.logspace(-30, 10, k, device=DEV)
@@ -857,59 +771,19 @@ def test_nvfp4_x_pairs_equal_reference():
     assert torch.equal(back[big], x.double()[big])
 
 
-def test_tile_override_replaces_the_rule_for_one_shape(monkeypatch):
-    """OCRIAQUANT_TILE_<kind>_<n>x<k> (how tiles are re-swept inside the decode step) replaces the
-    built-in tile of that one shape; a malformed value names the variable and the expected form."""
-    from ocriaquant.runtime.kernels.tiles import dot_tile, m1_tile
-
-    rule = m1_tile("nvfp4", 2560, 9216)
-    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x9216", "32,1024,4,2")
-    assert m1_tile("nvfp4", 2560, 9216) == dict(block_n=32, block_k=1024, num_warps=4, split_k=2) != rule
-    assert m1_tile("fp8", 2560, 9216) != m1_tile("nvfp4", 2560, 9216)  # other kinds and shapes keep theirs
-    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_silu_18432x2560", "64,512,8")
-    assert m1_tile("nvfp4_silu", 18432, 2560) == dict(block_n=64, block_k=512, num_warps=8)
-    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x4096", "8,4096,4,1,168")  # NVFP4's fifth: a register cap
-    assert m1_tile("nvfp4", 2560, 4096) == dict(block_n=8, block_k=4096, num_warps=4, split_k=1, maxnreg=168)
-    monkeypatch.setenv("OCRIAQUANT_TILE_fp8_dot_2560x4096", "64,256,4,1,6")  # fp8_dot's: the pipeline's depth
-    assert dot_tile("fp8", 2560, 4096, 32) == dict(block_n=64, block_k=256, num_warps=4, split_k=1, num_stages=6)
-    for bad in ("64,512", "64,500,8", "a,b,c", "64,512,8,0", "8,4096,4,1,0", "8,4096,4,1,168,2"):
-        monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_2560x9216", bad)
-        with pytest.raises(ValueError, match="OCRIAQUANT_TILE_nvfp4_2560x9216"):
-            m1_tile("nvfp4", 2560, 9216)
-    monkeypatch.setenv("OCRIAQUANT_TILE_nvfp4_silu_18432x2560", "64,512,8,2")  # the SiLU kernel has no split
-    with pytest.raises(ValueError, match="no split_k"):
-        m1_tile("nvfp4_silu", 18432, 2560)
-
-
 def test_pdl_only_on_the_gpu(monkeypatch):
     """PDL is a launch attribute of CUDA kernels: a CPU tensor (the interpreter, CI) never asks
-    for it, whatever the caller or OCRIAQUANT_PDL say, so the kernels take their plain path there
-    (every test above); on CUDA the caller's choice wins and OCRIAQUANT_PDL=0 turns the default off."""
-    from ocriaquant.runtime.kernels.splitk import use_pdl
-
+    for it, whatever the caller says, so the kernels take their plain path there (every test
+    above); on CUDA the caller's choice wins, and with none PDL is on from compute capability 9.
+    The kernels read no environment variable for it (the runtime's configuration passes pdl)."""
+    monkeypatch.setenv("OCRIAQUANT_PDL", "0")  # not read here
     cpu = torch.device("cpu")
-    monkeypatch.setenv("OCRIAQUANT_PDL", "1")
     assert not use_pdl(cpu, None) and not use_pdl(cpu, True)
     cuda = torch.device("cuda")
     assert use_pdl(cuda, True) and not use_pdl(cuda, False)  # explicit choices need no GPU query
-    monkeypatch.setenv("OCRIAQUANT_PDL", "0")
-    assert not use_pdl(cuda, None)
-
-
-def test_ctas_per_sm_counts_as_the_occupancy_calculator():
-    """pdl_launch lets a kernel release the next one before its own wait only when its grid is one
-    wave; the CTAs an SM holds are counted as NVIDIA's occupancy calculator does for compute
-    capability 9.0 (65,536 registers in 256-register units per warp, 2,048 threads, 32 CTAs,
-    233,472 bytes of shared memory with 1 KB reserved per CTA): worked by hand below."""
-    from ocriaquant.runtime.kernels.splitk import ctas_per_sm
-
-    assert ctas_per_sm(255, 4, 0) == 2     # 256 registers a thread: 8 warps an SM by registers
-    assert ctas_per_sm(128, 8, 0) == 2     # 4,096 registers a warp: 16 warps
-    assert ctas_per_sm(40, 2, 0) == 25     # 1,280 registers a warp (40 rounds to 40): 51 warps
-    assert ctas_per_sm(41, 2, 0) == 21     # 41 rounds to 48: 1,536 a warp, 42 warps
-    assert ctas_per_sm(16, 1, 0) == 32     # the CTA limit, before threads (64) and registers (128)
-    assert ctas_per_sm(32, 16, 0) == 4     # threads: 2,048 / 512
-    assert ctas_per_sm(32, 4, 51200) == 4  # shared memory: 233,472 / (51,200 + 1,024)
+    for major in (8, 9):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
+        assert use_pdl(cuda, None) == (major >= 9)
 
 
 def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
@@ -917,8 +791,6 @@ def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
     tiles its split has after the first and to a power of two (prefetch_ahead's line count), none under the
     interpreter (the prefetch is PTX). The prefetch itself changes no output: the GPU tests compare outputs
     with it on (test_gemv_pdl_in_graph, the GEMV tests at multi-tile splits)."""
-    from ocriaquant.runtime.kernels.splitk import l2_ahead
-
     assert [l2_ahead(False, t, 1) for t in (0, 1, 4)] == [0, 1, 1]
     assert [l2_ahead(False, t, 3) for t in (0, 1, 2, 3, 7)] == [0, 1, 2, 2, 2]
     assert l2_ahead(True, 4, 1) == 0 and l2_ahead(False, 4, 0) == 0
@@ -926,18 +798,11 @@ def test_l2_ahead_never_past_the_split_nor_under_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU "
                     "(test_pdl_only_on_the_gpu covers the CPU side)")
-@pytest.mark.parametrize("trigger_first", [0, 1, 2])
-def test_gemv_pdl_in_graph(monkeypatch, trigger_first):
+def test_gemv_pdl_in_graph():
     """With PDL a GEMV starts while its producer runs and waits for it before reading x: in a
     CUDA graph behind add_rmsnorm (which releases it early) every format gives the same output
     as without PDL, replay after replay on changing inputs — also a GEMV that reads the one
-    before it, and with the GEMVs releasing their own dependents before their wait
-    (splitk.TRIGGER_FIRST: when their grid is one wave, or always)."""
-    from ocriaquant.quant import fp8, nvfp4
-    from ocriaquant.runtime.kernels import add_rmsnorm, gemv_bf16, gemv_fp8, gemv_nvfp4, splitk
-
-    monkeypatch.setenv("OCRIAQUANT_PDL", "1")  # add_rmsnorm releases its dependents early
-    monkeypatch.setattr(splitk, "TRIGGER_FIRST", trigger_first)
+    before it."""
     n, k = 4096, 2560
     w = torch.randn(n, k, dtype=torch.bfloat16, device=DEV) / k**0.5
     w_sq = torch.randn(k, k, dtype=torch.bfloat16, device=DEV) / k**0.5
@@ -948,8 +813,8 @@ def test_gemv_pdl_in_graph(monkeypatch, trigger_first):
     norm_w = torch.randn(k, dtype=torch.bfloat16, device=DEV) * 0.1
 
     def step(pdl):
-        _, y, (q, s, half) = add_rmsnorm(x, h, norm_w, 1e-6, quant="fp8")
-        _, _, pairs = add_rmsnorm(x, h, norm_w, 1e-6, quant="nvfp4")
+        _, y, (q, s, half) = add_rmsnorm(x, h, norm_w, 1e-6, quant="fp8", pdl=True)
+        _, _, pairs = add_rmsnorm(x, h, norm_w, 1e-6, quant="nvfp4", pdl=True)
         return (gemv_bf16(y, w, pdl=pdl), gemv_fp8(q, s, w_q, w_s, pdl=pdl, x_half=half),
                 gemv_nvfp4(y, packed, scales, gs, pdl=pdl, x_pairs=pairs),
                 gemv_bf16(gemv_bf16(y, w_sq, pdl=pdl), w_sq, pdl=pdl))  # the second reads the first

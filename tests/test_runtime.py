@@ -13,9 +13,10 @@ from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
 def test_prefill_then_decode_equals_longer_prefill(tiny_model_dir):
     """Prefill N tokens then decode 1 ≡ prefill N+1: catches a transposed GDN state ([V, K]
     written, [K, V] read), a wrong conv-state shift or a KV cache written at the wrong place."""
-    from ocriaquant.runtime.model_runner import RuntimeModel
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.model_runner import ModelRunner
 
-    rt = RuntimeModel(tiny_model_dir, max_slots=3, max_len=64, dtype=torch.float32)
+    rt = ModelRunner(tiny_model_dir, RuntimeConfig(max_slots=3, max_len=64, dtype=torch.float32))
     torch.manual_seed(0)
     ids = torch.randint(0, 250, (1, 12))
     full, _ = rt.prefill({"input_ids": ids}, slot=2)
@@ -39,10 +40,11 @@ def test_greedy_step_chained_on_the_device_equals_steps_fed_from_the_host(tiny_m
     GPU both run the same CUDA graph, which does the feeding itself; the triton backend feeds
     through step_inputs and greedy_advance (on the CPU under the interpreter, without graphs)."""
     from ocriaquant.errors import OcriaError
-    from ocriaquant.runtime.model_runner import RuntimeModel
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.model_runner import ModelRunner
 
-    rt = RuntimeModel(tiny_model_dir, max_slots=3, max_len=40, device=device, backend=backend,
-                      dtype=torch.float32 if backend == "torch" else torch.bfloat16)
+    rt = ModelRunner(tiny_model_dir, RuntimeConfig(max_slots=3, max_len=40, device=device, backend=backend,
+                                                   dtype=torch.float32 if backend == "torch" else torch.bfloat16))
     torch.manual_seed(3)
     prompts = [torch.randint(0, 250, (1, n)) for n in (9, 6)]
     slots, deltas = [2, 0], [0, 0]
@@ -83,14 +85,15 @@ def test_greedy_step_chained_on_the_device_equals_steps_fed_from_the_host(tiny_m
 def test_prefill_logits_equal_transformers(tiny_model_dir, synth_pages):
     from ocriaquant.model import load_model
     from ocriaquant.model.processor import chat_text
-    from ocriaquant.runtime.model_runner import RuntimeModel
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.model_runner import ModelRunner
 
     model, proc = load_model(tiny_model_dir, dtype="fp32")
     page = load_pages(synth_pages).pages[0]
     enc = dict(proc(images=[page.image], text=[chat_text(proc, page.prompt)], return_tensors="pt"))
     with torch.no_grad():
         want = model(**enc).logits[0, -1]
-    rt = RuntimeModel(tiny_model_dir, max_slots=1, max_len=512, dtype=torch.float32)
+    rt = ModelRunner(tiny_model_dir, RuntimeConfig(max_slots=1, max_len=512, dtype=torch.float32))
     got, delta = rt.prefill(enc, slot=0)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert delta < 0  # 64 image tokens on a 8x8 grid take fewer than 64 positions
@@ -119,13 +122,14 @@ def test_runtime_greedy_tokens_equal_transformers(which, request):
     finish (mid-flight admission) and run in batches of mixed lengths."""
     from ocriaquant.model import load_model
     from ocriaquant.model.generate import greedy_decode
+    from ocriaquant.runtime.config import RuntimeConfig
     from ocriaquant.runtime.engine import Engine
 
     ckpt = None if which == "bf16" else request.getfixturevalue("mixed_checkpoint")
     _, held = split_pages(load_pages(BUNDLED_PAGES).pages)
     pages = held[:4]
     limits = [24, 64, 40, 16]
-    engine = Engine(ckpt, max_slots=2)
+    engine = Engine(ckpt, RuntimeConfig(max_slots=2))
     steps = []
     results = list(engine.generate(((engine.encode(p), n) for p, n in zip(pages, limits)), on_step=steps.append))
     # Page 2 takes page 0's slot while page 1 runs on; page 3 ends alone: batches of 2 and of 1.
@@ -160,14 +164,17 @@ def test_parse_writes_every_readable_page_and_reports_a_corrupt_one(tmp_path):
 
 def test_runtime_errors_name_the_problem(tiny_model_dir, tmp_path):
     from ocriaquant.errors import OcriaError
+    from ocriaquant.runtime.config import RuntimeConfig
     from ocriaquant.runtime.load import quant_schemes
-    from ocriaquant.runtime.model_runner import RuntimeModel
+    from ocriaquant.runtime.model_runner import ModelRunner
 
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(OcriaError, match="model_type 'llama'.*not supported"):
-        RuntimeModel(other)
+        ModelRunner(other)
+    with pytest.raises(OcriaError, match="unknown runtime backend 'cuda'; one of torch, triton"):
+        RuntimeConfig(backend="cuda")
     with pytest.raises(OcriaError, match="group 'group_0'.*not a format ocriaquant serves"):
         quant_schemes({"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
             "targets": ["x"], "weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}}})
@@ -183,7 +190,7 @@ def test_runtime_errors_name_the_problem(tiny_model_dir, tmp_path):
     del sd["model.language_model.layers.0.mlp.down_proj.weight"]
     save_file(sd, str(f), metadata={"format": "pt"})
     with pytest.raises(OcriaError, match="missing tensors model.language_model.layers.0.mlp.down_proj.weight"):
-        RuntimeModel(broken)
+        ModelRunner(broken)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
@@ -194,7 +201,8 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
     the CPU under Triton's interpreter."""
     from ocriaquant.calibrate import model_fingerprint
     from ocriaquant.export import export
-    from ocriaquant.runtime.model_runner import RuntimeModel
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.model_runner import ModelRunner
 
     plan = {"layers.0.gdn_in": "nvfp4", "layers.0.gdn_out": "fp8", "layers.0.mlp_up": "nvfp4", "layers.0.mlp_down": "fp8",
             "layers.1.gdn_in": "fp8", "layers.1.gdn_out": "nvfp4", "layers.3.attn_qkv": "fp8", "layers.3.attn_o": "fp8",
@@ -207,7 +215,7 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
     runs = {}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for backend in ("torch", "triton"):
-        rt = RuntimeModel(ckpt, device=dev, max_slots=3, max_len=32, backend=backend)
+        rt = ModelRunner(ckpt, RuntimeConfig(device=dev, max_slots=3, max_len=32, backend=backend))
         lengths = torch.tensor([9, 6], device=dev)
         tokens = torch.stack([p[0, -1] for p in prompts]).to(dev)
         for s, p in zip((2, 0), prompts):
@@ -224,11 +232,207 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
         runs[backend] = (torch.stack(out).cpu(), rt.state[0]["ssm"][[0, 2]].cpu(), one.float().cpu())
         assert untouched
         # layer 2's NVFP4 gate_up ran at batch 1 with silu·mul in its epilogue (gemv_nvfp4_silu)
-        assert (backend == "triton") == bool(rt.layers[2].mlp.gate_up and rt.layers[2].mlp.gate_up.linear.m1_interleaved)
+        mlps = [layer.mlp for layer in rt.model.layers]
+        assert (backend == "triton") == bool(mlps[2].gate_up and mlps[2].gate_up.linear.m1_interleaved)
         # layer 1's BF16 gate_up ran at batch 1 with silu·mul in its epilogue (gemv_bf16 silu)
-        assert (backend == "triton") == rt.layers[1].mlp.fused_silu_bf16()
+        assert (backend == "triton") == mlps[1].fused_silu_bf16()
     (lt, st, ot), (lk, sk, ok) = runs["torch"], runs["triton"]
     assert float((ok - ot).norm() / ot.norm()) <= 2e-2
     assert not torch.equal(lk, lt) and not torch.equal(sk, st)  # the kernels ran (fp32 GDN, other sum order)
     assert float((lk - lt).norm() / lt.norm()) <= 2e-2
     assert float((sk - st).norm() / st.norm()) <= 1e-2
+
+
+# Tiles of today's 4B decode step (the rule they were swept into, evaluated before tiles became
+# data): every speed in BENCHMARKS.md ran at these, so the default table must keep them.
+PINNED_4B_TILES = {
+    ("fp8", 2560, 9216, 1): {"block_n": 64, "block_k": 512, "split_k": 8, "num_warps": 8},
+    ("nvfp4", 2560, 9216, 1): {"block_n": 8, "block_k": 1024, "split_k": 3, "num_warps": 2},
+    ("fp8_qx", 2560, 4096, 1): {"block_n": 128, "block_k": 256, "split_k": 8, "num_warps": 8},
+    ("fp8", 2560, 4096, 1): {"block_n": 8, "block_k": 4096, "split_k": 1, "num_warps": 4},
+    ("nvfp4", 2560, 4096, 1): {"block_n": 4, "block_k": 4096, "split_k": 1, "num_warps": 4},
+    ("fp8", 12352, 2560, 1): {"block_n": 64, "block_k": 512, "num_warps": 8},
+    ("fp8", 10240, 2560, 1): {"block_n": 64, "block_k": 512, "num_warps": 8},
+    ("nvfp4", 12288, 2560, 1): {"block_n": 64, "block_k": 512, "num_warps": 8},
+    ("nvfp4", 8192, 2560, 1): {"block_n": 64, "block_k": 512, "num_warps": 8},
+    ("nvfp4_silu", 18432, 2560, 1): {"block_n": 32, "block_k": 512},
+    ("nvfp4", 18432, 2560, 1): {"block_n": 32, "block_k": 512},
+    ("fp8", 18432, 2560, 1): {"block_n": 32, "block_k": 512},
+    ("bf16", 18432, 2560, 1): {"block_n": 4, "block_k": 512},
+    ("bf16", 248320, 2560, 1): {"block_n": 16, "block_k": 512},
+    ("bf16", 2560, 9216, 1): {"block_n": 4, "block_k": 1024, "num_warps": 8},
+    ("bf16", 2560, 4096, 1): {"block_n": 4, "block_k": 1024, "num_warps": 8},
+    ("bf16", 12352, 2560, 1): {"block_n": 8, "block_k": 512},
+    ("fp8", 12352, 2560, 8): {"block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": 1},
+    ("fp8", 12352, 2560, 64): {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "split_k": 1},
+    ("fp8", 18432, 2560, 33): {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "split_k": 1},
+    ("fp8", 2560, 9216, 32): {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 8, "split_k": 3},
+    ("fp8", 2560, 4096, 2): {"block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 6, "split_k": 1},
+}
+
+
+def test_default_tile_table_keeps_the_4b_tiles():
+    from ocriaquant.runtime.tiles import TileTable
+
+    table = TileTable.default()
+    assert table.gpu == "H200"
+    for key, tile in PINNED_4B_TILES.items():
+        assert table.find(*key) == tile, key
+
+
+def _meta_store(shape: str, plan: str):
+    """(config, MemoryStore, kinds) of a named shape on the meta device, quantized as bench's
+    build path quantizes it (one NVFP4 global scale per unit: plan_units) or, for "export-<fmt>",
+    as `ocriaquant export` groups it (gdn_in, attn_qkv, mlp_up one unit each; gdn_ab BF16)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from ocriaquant.bench import plan_units
+    from ocriaquant.model import discover_groups
+    from ocriaquant.model.configs import SHAPES
+    from ocriaquant.runtime.load import MemoryStore
+
+    config = SHAPES[shape]()
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(config)
+    tensors = dict(hf.state_dict())
+    if plan.startswith("export-"):
+        units = [(g.members, plan[len("export-"):]) for g in discover_groups(hf)
+                 if not g.always_bf16 and g.kind != "lm_head"]
+    else:
+        units = plan_units(config, plan) if plan != "bf16" else []
+    kinds = {}
+    for u, (names, fmt) in enumerate(units):
+        gs = torch.tensor([float(u + 1)])  # kept off the meta device: fusion compares global scales
+        for name in names:
+            n, k = tensors.pop(name + ".weight").shape
+            kinds[name] = fmt
+            if fmt == "fp8":
+                tensors[name + ".weight"] = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+                tensors[name + ".weight_scale"] = torch.empty(n, 1, device="meta")
+            else:
+                tensors[name + ".weight_packed"] = torch.empty(n, k // 2, dtype=torch.uint8, device="meta")
+                tensors[name + ".weight_scale"] = torch.empty(n, k // 16, dtype=torch.float8_e4m3fn, device="meta")
+                tensors[name + ".weight_global_scale"] = gs
+    return config, MemoryStore(tensors, f"{shape} {plan} (meta)"), kinds
+
+
+@pytest.mark.parametrize("plan", ["bf16", "mixed", "fp8", "nvfp4", "export-fp8", "export-nvfp4"])
+def test_every_4b_gemv_finds_its_tile_in_the_default_table(plan):
+    """Built as the triton backend builds it (fused where formats and scales allow), every Linear
+    of the 4B looks up tiles the default table holds, at batch 1 and, for FP8, at every batch up
+    to 64: no shape of the 4B falls to the generic tile."""
+    from ocriaquant.runtime.config import Kernels
+    from ocriaquant.runtime.models.qwen3_5 import Qwen3_5
+    from ocriaquant.runtime.tiles import TileTable
+
+    config, store, kinds = _meta_store("qwen3.5-4b", plan)
+    table = TileTable.default()
+    with torch.device("meta"):
+        model = Qwen3_5(config, store, kinds, kernels=Kernels(pdl=False, tiles=table))
+    keys = model.tile_keys()
+    missing = sorted(key for key in keys if table.find(*key) is None)
+    assert not missing, missing[:10]
+    # the fusions this plan gets, each a shape of its own
+    shapes = {(kind, n, k) for kind, n, k, m in keys if m == 1}
+    want = {"bf16": {("bf16", 12352, 2560), ("bf16", 10240, 2560), ("bf16", 18432, 2560)},
+            "mixed": {("fp8", 12352, 2560), ("fp8_qx", 2560, 4096), ("nvfp4_silu", 18432, 2560)},
+            "nvfp4": {("nvfp4", 8192, 2560), ("nvfp4", 32, 2560), ("nvfp4", 1024, 2560), ("nvfp4_silu", 18432, 2560)},
+            "export-nvfp4": {("nvfp4", 12288, 2560), ("bf16", 64, 2560), ("nvfp4", 10240, 2560)},
+            "export-fp8": {("fp8", 12288, 2560), ("bf16", 64, 2560), ("fp8", 18432, 2560)}}.get(plan, set())
+    assert want <= shapes
+    assert ("bf16", 248320, 2560) in shapes  # the tied lm_head
+
+
+def test_tile_table_files_are_checked_entry_by_entry(tmp_path):
+    from ocriaquant.errors import OcriaError
+    from ocriaquant.runtime.tiles import GENERIC_DOT, GENERIC_M1, TileTable
+
+    def table(*entries):
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps({"gpu": "test", "tiles": list(entries)}))
+        return TileTable.load(path)
+
+    good = {"kind": "fp8", "n": 64, "k": 256, "block_n": 32, "block_k": 256, "num_warps": 4}
+    t = table(good, {**good, "m": [2, 8], "split_k": 2}, {**good, "m": [9, 64], "num_stages": 3})
+    assert len(t) == 3 and t.find("fp8", 64, 256, 5)["split_k"] == 2 and t.find("fp8", 64, 256, 64)["num_stages"] == 3
+    assert t.find("fp8", 64, 512) is None and t.tile("fp8", 64, 512) == GENERIC_M1
+    assert t.tile("fp8", 64, 512, 4) == GENERIC_DOT and t.tile("nvfp4_silu", 64, 512)["block_n"] % 32 == 0
+    for bad, problem in [({**good, "kind": "int4"}, "kind 'int4' is not one of"),
+                         ({**good, "block_n": 48}, "block_n must be a power of two"),
+                         ({**good, "block_k": 0}, "block_k must be a positive integer"),
+                         ({**good, "maxnreg": 128}, "unknown field"),
+                         ({**good, "kind": "nvfp4", "m": [2, 4]}, "only fp8 has tiles above batch 1"),
+                         ({**good, "m": [8, 65]}, "batch range"),
+                         ({**good, "kind": "nvfp4_silu", "split_k": 2}, "nvfp4_silu takes whole 32-row tiles"),
+                         ({k: v for k, v in good.items() if k != "block_k"}, "block_k is missing")]:
+        with pytest.raises(OcriaError, match=r"t\.json: tile entry 1 .*" + problem):
+            table(good, bad)
+    with pytest.raises(OcriaError, match=r"t\.json: tile entry 2 .*batches 4-9 overlap .*fp8 64x256 \(batches 2-8\)"):
+        table(good, {**good, "m": [2, 8]}, {**good, "m": [4, 9]})
+    (tmp_path / "t.json").write_text("{not json")
+    with pytest.raises(OcriaError, match=r"t\.json: not a readable JSON tile table"):
+        TileTable.load(tmp_path / "t.json")
+    with pytest.raises(OcriaError, match="no such tile table"):
+        TileTable.load(tmp_path / "none.json")
+
+
+def test_runtime_config_is_checked_and_pdl_has_one_switch(monkeypatch):
+    from ocriaquant.errors import OcriaError
+    from ocriaquant.runtime.config import RuntimeConfig
+
+    assert RuntimeConfig().kernel_settings() is None  # the torch backend launches nothing
+    monkeypatch.setenv("OCRIAQUANT_PDL", "0")
+    assert RuntimeConfig().pdl is False
+    monkeypatch.delenv("OCRIAQUANT_PDL")
+    cfg = RuntimeConfig(backend="triton")
+    assert cfg.pdl is True and cfg.kernel_settings().pdl is False  # never on the CPU
+    with pytest.raises(OcriaError, match="at least 1 slot"):
+        RuntimeConfig(max_slots=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the GEMV kernels need a GPU or TRITON_INTERPRET=1")
+def test_linears_launch_with_the_tiles_and_pdl_of_their_config(monkeypatch):
+    """A Linear built for the triton backend launches its GEMV with its table's tile for that
+    batch, and the config's PDL setting."""
+    import ocriaquant.runtime.kernels.gemv_fp8 as gemv_fp8_module
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.config import Kernels
+    from ocriaquant.runtime.layers import QuantLinear
+    from ocriaquant.runtime.tiles import TileTable
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    table = TileTable([{"kind": "fp8", "n": 64, "k": 256, "block_n": 32, "block_k": 128, "num_warps": 4},
+                       {"kind": "fp8", "n": 64, "k": 256, "m": [2, 64], "block_n": 64, "block_k": 64,
+                        "num_warps": 4, "num_stages": 2, "split_k": 2}])
+    seen = []
+    real = gemv_fp8_module.gemv_fp8
+    monkeypatch.setattr(gemv_fp8_module, "gemv_fp8", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    w_q, w_s = fp8.quantize_weight(torch.randn(64, 256, dtype=torch.bfloat16) / 16)
+    lin = QuantLinear("fp8", w_q, w_s, kernels=Kernels(pdl=False, tiles=table)).to(dev)
+    for m in (1, 4):
+        x = torch.randn(m, 256, dtype=torch.bfloat16, device=dev)
+        torch.testing.assert_close(lin(x).float(), QuantLinear("fp8", w_q, w_s).to(dev)(x).float(), atol=2e-2,
+                                   rtol=2e-2)
+    assert [(kw["block_n"], kw["block_k"], kw["pdl"]) for kw in seen] == [(32, 128, False), (64, 64, False)]
+    assert seen[1]["split_k"] == 2 and seen[1]["num_stages"] == 2
+
+
+def test_torch_backend_runs_without_triton(tiny_model_dir):
+    """Triton is optional: the torch backend imports no kernel module (only kernels/reference.py
+    and kernels/partials.py, which are plain torch)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["triton"] = None  # import triton now fails
+import torch
+from ocriaquant.runtime.config import RuntimeConfig
+from ocriaquant.runtime.model_runner import ModelRunner
+rt = ModelRunner({str(tiny_model_dir)!r}, RuntimeConfig(max_slots=2, max_len=16))
+rt.prefill({{"input_ids": torch.tensor([[5, 6, 7]])}}, slot=0)
+print(rt.greedy_step([8], [0], [3], [0]).get(), rt.greedy_step(None, [0], [4], [0]).get())
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

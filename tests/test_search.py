@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from ocriaquant.artifacts import load_plan
 from ocriaquant.errors import OcriaError
-from ocriaquant.search import BANDWIDTH, CostModel, Policy, pareto_frontier, run_search
+from ocriaquant.search import BANDWIDTH, CostModel, Policy, SearchOptions, pareto_frontier, run_search
 
 
 def _brute_force(options):
@@ -84,22 +85,29 @@ def test_cost_model_analytical_and_table(tmp_path):
 
 
 def test_search_end_to_end_is_deterministic(tiny_model_dir, synth_pages, tmp_path):
-    from ocriaquant.calibrate import calibrate
+    from ocriaquant.calibrate import CalibrateOptions, calibrate
 
-    calibrate(tiny_model_dir, synth_pages, tmp_path / "calib", max_pages=None, batch_size=3, split="all")
-    kw = dict(pages=synth_pages, target="h200", eval_pages=3, candidates=2, max_new_tokens=12,
-              max_ned_increase=0.5)
-    rep = run_search(tmp_path / "calib", out=tmp_path / "s1", **kw)
-    run_search(tmp_path / "calib", out=tmp_path / "s2", **kw)
+    calibrate(tiny_model_dir, synth_pages, tmp_path / "calib", CalibrateOptions(max_pages=None, batch_size=3, split="all"))
+    opts = SearchOptions(target="h200", eval_pages=3, candidates=2, max_new_tokens=12, max_ned_increase=0.5)
+    rep = run_search(tmp_path / "calib", synth_pages, tmp_path / "s1", opts)
+    run_search(tmp_path / "calib", synth_pages, tmp_path / "s2", opts)
     for f in ("plan.json", "report.json", "report.md", "pareto.png"):
         assert (tmp_path / "s1" / f).exists()
     plan = json.loads((tmp_path / "s1" / "plan.json").read_text())
     assert plan == json.loads((tmp_path / "s2" / "plan.json").read_text())
     assert plan["target"] == "h200" and plan["groups"]["vision"] == "bf16"
     assert all(f == "bf16" for g, f in plan["groups"].items() if g.endswith("gdn_ab"))
+    assert load_plan(tmp_path / "s1" / "plan.json").to_json() == plan  # what export reads is what search wrote
     labels = [c["label"] for c in rep["candidates"]]
     assert labels[:4] == ["BF16", "all-FP8 (W8A8, both targets)", "all-NVFP4 (h200: W4A16)",
                           "all-NVFP4 (b200: W4A4)"]
     assert rep["frontier_points"] >= 5 and len(rep["candidates"]) >= 5
     md = (tmp_path / "s1" / "report.md").read_text()
     assert "Pareto frontier" in md and "Chosen plan per layer group" in md
+
+
+def test_search_needs_a_calibration_and_does_not_make_one(tmp_path):
+    """Search reads calibrate's artifact; making it is calibrate's job (the CLI runs it first)."""
+    with pytest.raises(OcriaError, match="run `ocriaquant calibrate` first"):
+        run_search(tmp_path / "none", out=tmp_path / "s")
+    assert not (tmp_path / "none").exists() and not (tmp_path / "s").exists()

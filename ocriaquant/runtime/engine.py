@@ -11,7 +11,8 @@ from typing import Callable, Iterable, Iterator
 from ..data.page import Page
 from ..model.load import resolve_model_dir
 from ..model.processor import chat_text, load_processor
-from .model_runner import RuntimeModel
+from .config import RuntimeConfig
+from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence
 
 
@@ -24,11 +25,11 @@ class Result:
 
 
 class Engine:
-    def __init__(self, checkpoint, device: str = "cpu", max_slots: int = 8, max_len: int = 2048,
-                 backend: str = "torch", model: RuntimeModel | None = None, processor=None):
-        """From a checkpoint directory, or from a built `model` and `processor` (bench)."""
-        self.model = model or RuntimeModel(checkpoint, device=device, max_slots=max_slots, max_len=max_len,
-                                           backend=backend)
+    def __init__(self, checkpoint=None, config: RuntimeConfig | None = None, *, runner: ModelRunner | None = None,
+                 processor=None):
+        """From a checkpoint directory (None: the bundled model) and a RuntimeConfig, or from a
+        built `runner` and `processor` (bench)."""
+        self.runner = runner or ModelRunner(checkpoint, config)
         self.processor = processor or load_processor(resolve_model_dir(checkpoint))
         tok = self.processor.tokenizer
         self.eos = {tok.convert_tokens_to_ids("<|im_end|>")}
@@ -46,7 +47,7 @@ class Engine:
         results as sequences finish, in any order (`rid` is the request's index). With
         stop_at_eos False every request runs to its token limit (benchmarks)."""
         stops = self.eos if stop_at_eos else set()
-        sched = Scheduler(self.model.max_slots, max_batch)
+        sched = Scheduler(self.runner.max_slots, max_batch)
         for rid, req in enumerate(requests):
             enc, limit = req if isinstance(req, tuple) else (req, max_new_tokens)
             sched.add(Sequence(rid, enc, limit))
@@ -55,15 +56,15 @@ class Engine:
             if pending is None:
                 for seq in sched.admit():
                     seq.t_admit = time.perf_counter()
-                    logits, seq.delta = self.model.prefill(seq.enc, seq.slot)
+                    logits, seq.delta = self.runner.prefill(seq.enc, seq.slot)
                     seq.length = seq.enc["input_ids"].shape[1]
                     self._append(seq, int(logits.argmax()), stops)
                 yield from self._finished(sched)  # a request can end at its first token
                 run = sched.running
                 if not run:
                     continue
-                pending = (run, self.model.greedy_step([s.tokens[-1] for s in run], [s.slot for s in run],
-                                                        [s.length for s in run], [s.delta for s in run]))
+                pending = (run, self.runner.greedy_step([s.tokens[-1] for s in run], [s.slot for s in run],
+                                                         [s.length for s in run], [s.delta for s in run]))
             run, got = pending
             # The next step goes out before this one's tokens are read, fed them on the device, so the
             # host's bookkeeping hides behind the GPU. Rows that this step's tokens finish get one token
@@ -71,9 +72,9 @@ class Engine:
             # step after is built from the host, with admissions. A batch holding finished rows, or
             # one a row of which would pass max_len, is not chained.
             ahead = None
-            if all(not s.done for s in run) and max(s.length for s in run) + 1 < self.model.max_len:
-                ahead = (run, self.model.greedy_step(None, [s.slot for s in run], [s.length + 1 for s in run],
-                                                      [s.delta for s in run]))
+            if all(not s.done for s in run) and max(s.length for s in run) + 1 < self.runner.max_len:
+                ahead = (run, self.runner.greedy_step(None, [s.slot for s in run], [s.length + 1 for s in run],
+                                                       [s.delta for s in run]))
             live = [s for s in run if not s.done]
             for seq, nxt in zip(run, got.get()):
                 if not seq.done:

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import OcriaError
 from ..model.load import read_config, resolve_model_dir
+from .layers.linear import QuantLinear
 
 TEXT = "model.language_model."
 
@@ -88,19 +89,21 @@ def quant_schemes(cfg: dict) -> dict[str, str]:
     return kinds
 
 
-def read_linear(store: TensorStore, name: str, kind: str | None, dtype: torch.dtype = torch.bfloat16):
-    from .layers import QuantLinear
-
+def read_linear(store: TensorStore, name: str, kind: str | None, dtype: torch.dtype = torch.bfloat16,
+                kernels=None):
+    """The Linear `name` in its format (kind: quant_schemes' value, None for BF16); kernels:
+    config.Kernels for the triton backend."""
     if kind is None:
-        return QuantLinear("bf16", store.require([name + ".weight"])[name + ".weight"], dtype=dtype)
+        return QuantLinear("bf16", store.require([name + ".weight"])[name + ".weight"], dtype=dtype, kernels=kernels)
     if kind == "fp8":
         t = store.require([name + ".weight", name + ".weight_scale"])
-        return QuantLinear("fp8", t[name + ".weight"], t[name + ".weight_scale"], dtype=dtype)
+        return QuantLinear("fp8", t[name + ".weight"], t[name + ".weight_scale"], dtype=dtype, kernels=kernels)
     keys = [name + ".weight_packed", name + ".weight_scale", name + ".weight_global_scale"]
     if kind == "nvfp4_w4a4":
         keys.append(name + ".input_global_scale")
     t = store.require(keys)
-    return QuantLinear(kind, t[keys[0]], t[keys[1]], t[keys[2]], t.get(name + ".input_global_scale"), dtype=dtype)
+    return QuantLinear(kind, t[keys[0]], t[keys[1]], t[keys[2]], t.get(name + ".input_global_scale"), dtype=dtype,
+                       kernels=kernels)
 
 
 def open_checkpoint(path) -> tuple[Path, dict, TensorStore, dict[str, str]]:

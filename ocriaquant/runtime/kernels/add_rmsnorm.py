@@ -8,22 +8,19 @@ layer. This is one.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .half2 import fp8_pairs, store_nvfp4_pairs
+from .partials import Partials
 from .rounding import fp8_token_codes, fp8_token_scale, round_bf16
-from .splitk import Partials, start_after_producer, use_pdl
+from .splitk import interpreted, start_after_producer, use_pdl
 
 
 NORM_SLICE_B1 = 512  # columns per program at batch 1 (add_rmsnorm's slice_d)
-# Warps per slice program. Each program reads its whole row (the GEMV's 8 split-K partials) for the statistics,
-# so its threads' chains are long: Triton 3.6 SASS, FP8 form, 3392 instructions a thread at 4 warps, 2064 at 8, 1376
-# at 16. Mixed plan's batch-1 step on an H200 (scripts/ab_step.py, 3 rounds): 1.733 ms at 4, 1.726 at 8, 1.704 at 16
-# (BENCHMARKS.md, session 19); BF16 (no quantized form) 2.622 at 4 and 16.
+# Warps per slice program: each program reads its whole row (and a GEMV's split-K partials) for the
+# statistics, so its threads' chains are long; more warps shorten them (16 measured faster than 4 or 8).
 NORM_WARPS_B1 = 16
 
 
@@ -72,7 +69,6 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
     STATS_W: tl.constexpr = BS != BD and (QUANT == 1 or QUANT == 2)  # the whole row's y, for the absmax
     # The norm weight is constant, so it loads before the wait, under the producer's tail; the
     # slice's own x and h load in the same round trip as the whole row's, not after the reductions.
-    # H200, batch 1: BF16 plan 2.742 -> 2.701 ms a step, mixed 1.996 -> 1.99 (BENCHMARKS.md, session 15).
     w_s = tl.load(w_ptr + rs, mask=ms, other=0.0).to(tl.float32)
     if STATS_W:
         w_d = tl.load(w_ptr + rd, mask=m, other=0.0).to(tl.float32)
@@ -105,7 +101,7 @@ def _add_rmsnorm_kernel(x_ptr, h_ptr, w_ptr, r_ptr, y_ptr, q_ptr, s_ptr, p_ptr, 
 
 
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torch.Tensor, eps: float,
-                quant: str | None = None, slice_d: int | None = None):
+                quant: str | None = None, slice_d: int | None = None, pdl: bool | None = None):
     """x, h bf16 [B, D] (h None: norm only; or partials.Partials [S, B, D], a GEMV's split-K output
     still unreduced, added up here), weight [D] -> (r = x + h, y = rmsnorm(r)). With h
     None r is x itself. y is also written in the form the next GEMV reads, as a third item:
@@ -117,11 +113,8 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torc
     program per row, 8 warps past 2048 columns). With slices every program reads its row whole
     for the statistics and shares out the per-element work (rounding, codes, pairs, stores).
     None: 512-column slices at B = 1, the whole row above. At batch 1 the one-program norm sat on
-    the decode step's critical path 65 times a step (3.9 us each, scripts/profile_step.py); on
-    an H200, mixed plan, slices of 512 took the step from 2.28-2.34 to 2.26-2.27 ms alone and to
-    2.20-2.21 ms with quant_fp8_per_token's slices, while at batch 8 they cost ~0.03 ms
-    (B x 5 programs where B already fill the GPU's schedulers), so only batch 1 slices
-    (BENCHMARKS.md, session 9)."""
+    the decode step's critical path 65 times a step; above it B programs already fill the GPU's
+    schedulers, and slices cost time, so only batch 1 slices. pdl: as splitk.use_pdl."""
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         raise ValueError(f"add_rmsnorm: x must be bf16 with contiguous rows, got {x.dtype} {tuple(x.stride())}")
     if quant not in (None, "fp8", "nvfp4"):
@@ -154,7 +147,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torc
         q = torch.empty(b, d // 2, dtype=torch.int32, device=x.device)
         s = torch.empty(b, d // 16, dtype=torch.float32, device=x.device)
         code, extra = 3, (q, s)
-    pdl = use_pdl(x.device, None)
+    pdl = use_pdl(x.device, pdl)
     bd = triton.next_power_of_2(d)
     if slice_d is None:
         slice_d = NORM_SLICE_B1 if b == 1 else bd
@@ -162,20 +155,8 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torc
     _add_rmsnorm_kernel[(b, triton.cdiv(d, bs))](x, hh, weight, r, y, q, s, p, d, eps, x.stride(0), h_stride,
                                                  hp_stride, r.stride(0), y.stride(0), HAS_H=h is not None,
                                                  PARTS=parts, QUANT=code, BD=bd, BS=bs,
-                                                 INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+                                                 INTERPRET=interpreted(),
                                                  num_warps=(8 if d > 2048 else 4) if bs == bd else NORM_WARPS_B1,
                                                  PDL=pdl, launch_pdl=pdl)
     return (r, y) if extra is None else (r, y, extra)
 
-
-def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: torch.Tensor, eps: float):
-    """The torch ops the runtime's torch backend runs (layers.RMSNorm after a bf16 add)."""
-    if isinstance(h, Partials):  # the bf16 output the GEMV's own reduction would have written: in split order
-        total = h.parts[0].clone()
-        for part in h.parts[1:]:
-            total += part
-        h = total.to(x.dtype)
-    r = x + h if h is not None else x
-    t = r.float()
-    t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
-    return r, (t * (1.0 + weight.float())).type_as(r)

@@ -20,31 +20,26 @@ length 0: they read one position of it and their output is ignored.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .gemv_fp8 import quant_fp8_row_when_last
 from .rounding import round_bf16
-from .splitk import prefetch_l2, start_after_producer, use_pdl, workspace
+from .splitk import interpreted, prefetch_l2, start_after_producer, use_pdl, workspace
 
 CHUNK = 256  # positions per program above batch 1 (CHUNK_B1 below)
 CHUNK_WARPS = 4  # warps per chunk program
 KEY_TILE = 64  # keys a chunk program scores at a time (32 under the interpreter, for speed)
 MERGE_WARPS = 4  # warps per merge program (it holds a [splits, head dim] fp32 tile)
 # At batch 1 the grid is only (KV heads × chunks): shorter chunks give more programs, each with a shorter serial
-# chain of key tiles. Mixed plan's batch-1 step on an H200 at bench's cache length (max_len 5092, context 512):
-# 1.769 ms at 256, 1.705-1.710 at 128; BF16 2.660 -> 2.646 (scripts/ab_step.py, BENCHMARKS.md, session 19). At
-# batch 64 the same 128 cost 0.12 ms (most chunks lie past the rows' lengths), so it is batch 1's alone. 64 was
-# equal at context 512 (1.707) and slower at 4096 (1.737 against 1.711).
+# chain of key tiles (128 measured faster than 256, and than 64 at long contexts). Above batch 1 most chunks lie
+# past the rows' lengths, and 128 was slower there, so it is batch 1's alone.
 CHUNK_B1 = 128
-MERGE_WARPS_B1 = 4  # MERGE_WARPS at batch 1 (8: equal at CHUNK_B1 128)
+MERGE_WARPS_B1 = 4  # MERGE_WARPS at batch 1
 # Whether a batch-1 chunk program asks L2 for its chunk's cached keys and values (one prefetch per 128-byte line)
 # before its PDL wait, while qk_norm_rope and the GEMV before it run: every position but the new token's is from
-# earlier steps, and the slot and length come from step_inputs, long finished. GPU only. Mixed plan's batch-1 step on
-# an H200: -0.004 ms alone, -0.008 ms beside splitk.TRIGGER_FIRST (BENCHMARKS.md, session 28); above batch 1 not timed.
+# earlier steps, and the slot and length come from step_inputs, long finished. GPU only; measured faster at batch 1.
 CHUNK_PREFETCH = 1
 
 
@@ -137,13 +132,14 @@ def _attn_merge_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, g_ptr, q8_ptr, qs_ptr, t
 
 def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 lengths: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                gate: torch.Tensor | None = None, quant: str | None = None):
+                gate: torch.Tensor | None = None, quant: str | None = None, pdl: bool | None = None):
     """q [B, heads, hd]; k/v cache [slots, KV heads, max_len, hd]; slots, lengths int32 [B]
     -> [B, heads, hd] in q's dtype: softmax(q·kᵀ·scale) v over positions 0..lengths[b], times
     sigmoid(gate) when `gate` [B, heads, hd] (strides free, hd contiguous) is given.
     quant="fp8": returns (out, (E4M3 [B, heads·hd], fp32 scale [B, 1])), each row quantized as
     quant_fp8_per_token does, in the merge launch. quant="amax": returns (out, (fp32 [B, heads],)),
-    each head's max |out|: the row's absmax in parts, for gemv_fp8_quantizing (batch 1)."""
+    each head's max |out|: the row's absmax in parts, for gemv_fp8_quantizing (batch 1).
+    pdl: as splitk.use_pdl."""
     bsz, heads, hd = q.shape
     _, kvh, max_len, hd_c = k_cache.shape
     if hd_c != hd or heads % kvh or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
@@ -158,8 +154,8 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     po = torch.empty(bsz, heads, nsplit, hd, dtype=torch.float32, device=dev)
     pm = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
     pl = torch.empty(bsz, heads, nsplit, dtype=torch.float32, device=dev)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    pdl = use_pdl(dev, None)
+    interp = interpreted()
+    pdl = use_pdl(dev, pdl)
     _attn_chunk_kernel[(bsz, kvh, nsplit)](
         q, k_cache, v_cache, slots, lengths, po, pm, pl, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), scale, nsplit, G=g, GP=max(16, triton.next_power_of_2(g)), HD=hd,
@@ -188,15 +184,3 @@ def attn_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
         return out, (qs,)
     return out if quant is None else (out, (q8, qs))
 
-
-def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64, gate=None):
-    """Plain torch, row by row in `dtype`: softmax over the visible prefix of the row's slot,
-    times sigmoid(gate) if given."""
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    g = q.shape[1] // k_cache.shape[1]
-    for i, (s, n) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        k = k_cache[s, :, : n + 1].to(dtype).repeat_interleave(g, 0)  # [heads, n+1, hd]
-        v = v_cache[s, :, : n + 1].to(dtype).repeat_interleave(g, 0)
-        p = torch.softmax(torch.einsum("hd,htd->ht", q[i].to(dtype), k) * scale, -1)
-        out[i] = torch.einsum("ht,htd->hd", p, v)
-    return out if gate is None else out * torch.sigmoid(gate.to(dtype))

@@ -32,12 +32,11 @@ ticket per row, and the last of those quantizes the row — one launch a GDN lay
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .gemv_fp8 import quant_fp8_row_when_last
-from .splitk import pdl_launch, sm_count, use_pdl, wait_for_inputs, workspace
+from .splitk import sm_count, use_pdl, wait_for_inputs, workspace
 
 
 MIN_V_ROWS = 16  # the smallest V-block _v_blocks makes (batch 1 at the 4B: 8 blocks of 16 rows, 256 programs)
@@ -108,9 +107,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     G: tl.constexpr = HV // H
     # One program id, V-block fastest, then value head, then row: a key head's programs (G value
     # heads x V-blocks) run side by side, so the last of them finds their o rows and its q / k
-    # inputs still in L2, and a value head's V-blocks read adjacent halves of its state. H200,
-    # B = 64: 81.5 -> 78.7 us against a (row, head, V-block) grid with the row fastest; decode step
-    # 1 % faster at batch 8 / 64, equal at 1 (session 12).
+    # inputs still in L2, and a value head's V-blocks read adjacent halves of its state.
     pid = tl.program_id(0)
     NB = tl.num_programs(0) // (NVB * HV)
     vb = pid % NVB
@@ -129,7 +126,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     chan_q, chan_k, chan_v = h * K + rk, H * K + h * K + rk, 2 * H * K + hv * V + rv  # conv channels
     # The recurrent and conv states and the weights are this layer's own (no kernel before this one
     # writes them): under PDL (batch 1's small V-blocks, EARLY_S) they stream while in_proj's GEMV
-    # finishes, before waiting on it (B = 1: 7.3 -> 6.4 us on an H200, session 6).
+    # finishes, before waiting on it.
     sp = s_ptr + slot * s_stride_slot + hv * V * K + rv[:, None] * K + rk[None, :]
     smask = v_ok[:, None] & (k_ok & valid_k)[None, :]
     if EARLY_S:
@@ -141,10 +138,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
     dt_bias = tl.load(dtb_ptr + hv).to(tl.float32)
     # What the key head's last program needs for the gated norm of its G value heads' whole V rows:
     # at batch 1 every program loads it (the norm weight before the wait, z with the other inputs),
-    # so that the tail after the ticket waits on one round trip, its o rows, where it used to load
-    # the conv state and x again for the shift, then z and o one value head at a time. H200,
-    # batch-1 step (interleaved A/B, 4 rounds): BF16 2.526 -> 2.498 ms, mixed 1.682 -> 1.648;
-    # alone 5.1 us at B = 1 (BENCHMARKS.md, session 21).
+    # so that the tail after the ticket waits on one round trip, its o rows.
     rf = tl.arange(0, BVF)
     f_ok = rf < V
     rg = tl.arange(0, GP)
@@ -167,8 +161,7 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
         silu_z = _silu_z(z_ptr + bi * stride_z, hv_g, rf, gf_ok, V)
     # Above batch 1 (tiles loaded late) the state is read and written once a step and is far larger
     # than L2 (134 MB a layer at B = 64): loaded evict-first and stored streaming (.cs), it displaces
-    # nothing there. H200, B = 64: 88.5 -> 83.7 us, 72 -> 76 % of the state roofline; the step at
-    # batch 32 / 64 0.7 % faster (BENCHMARKS.md, session 11). Batch 1's early tiles keep the defaults.
+    # nothing there. Batch 1's early tiles keep the defaults.
     if not EARLY_S:
         S = tl.load(sp, mask=smask, other=0.0, eviction_policy="evict_first")
     S = S * tl.exp(g)
@@ -219,9 +212,8 @@ def _gdn_decode_kernel(qkv_ptr, z_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, d
 
 
 def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
-    """V-blocks per value head: at least two (H200, B = 32 / 64: a 64-row tile at 128 registers
-    fits four programs to an SM, a whole 128-row one at 245 two; 81.5 against 87.0 us at B = 64,
-    decode step 1.5 % faster, session 12), more until there are ~4 programs per SM, blocks of at
+    """V-blocks per value head: at least two (a 64-row tile at 128 registers fits four programs to
+    an SM, a whole 128-row one at 245 two), more until there are ~4 programs per SM, blocks of at
     least MIN_V_ROWS rows."""
     nvb = 2 if v >= 32 else 1
     while bsz * hv * nvb < 4 * sm_count(device) and v // (2 * nvb) >= MIN_V_ROWS:
@@ -231,7 +223,8 @@ def _v_blocks(bsz: int, hv: int, v: int, device) -> int:
 
 def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
                num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, out=None, num_warps: int | None = None,
-               v_blocks: int | None = None, quant: str | None = None, half: bool = False):
+               v_blocks: int | None = None, quant: str | None = None, half: bool = False,
+               pdl: bool | None = None):
     """qkv [B, 2·H·K + HV·V] (in_proj_qkv output), z [B, HV·V], a, b [B, HV]; conv_state
     [slots, C, KW-1], conv_weight [C, KW]; A_log, dt_bias [HV]; norm_weight [V]; state fp32
     [slots, HV, V, K]; slots int32 [B] (negative: padding row). Updates conv_state and state
@@ -241,7 +234,8 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     pairs])) — quant_fp8_per_token(out, half) without its launch, what an FP8 out_proj reads.
     quant="amax": returns (out, (fp32 [B, H],)), each key head's max |out| over its values: the row's
     absmax in parts, what an FP8 out_proj that quantizes inside its GEMV reads at batch 1
-    (gemv_fp8_quantizing), with no pass over the row between the two kernels."""
+    (gemv_fp8_quantizing), with no pass over the row between the two kernels. pdl: as
+    splitk.use_pdl (only batch 1's small state tiles launch early, whatever it says)."""
     bsz = qkv.shape[0]
     hv = A_log.shape[0]
     H, K, V = num_k_heads, head_k_dim, head_v_dim
@@ -261,10 +255,9 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
     ws, tick = workspace(qkv.device, (bsz, hv, V), bsz * (H + 1), owner="gdn")
     out = torch.empty(bsz, hv * V, dtype=qkv.dtype, device=qkv.device) if out is None else out
     # Launched early (PDL) only where a program's state tile is small (batch 1): larger batches fill
-    # the SMs with programs of ~250 registers, and waiting ones took room from the running GEMV
-    # (B = 32 / 64 1.4x slower, B = 8 steps 6 % slower on an H200, session 6).
+    # the SMs with programs of ~250 registers, and waiting ones took room from the running GEMV.
     early = bv * triton.next_power_of_2(K) <= 32 * 128
-    pdl = early and use_pdl(qkv.device, None)
+    pdl = early and use_pdl(qkv.device, pdl)
     if quant not in (None, "fp8", "amax"):
         raise ValueError(f"gdn_decode: quant must be None, 'fp8' or 'amax', got {quant!r}")
     q8 = qs = qh = out
@@ -274,53 +267,20 @@ def gdn_decode(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weigh
         q8 = torch.empty(bsz, hv * V, dtype=torch.float8_e4m3fn, device=qkv.device)
         qs = torch.empty(bsz, 1, dtype=torch.float32, device=qkv.device)
         qh = torch.empty(bsz, hv * V, dtype=torch.float16, device=qkv.device) if half else qs
-    # 4 warps at every batch: bench_kernels.py's sweep (H200, session 8) found them fastest or tied
-    # for each V-split; with a whole V row per program (B >= 32) 8 warps took 127 us at B = 64
-    # against 91. Inside the decode step the two read the same within run-to-run spread.
-    pdl_launch(
-        _gdn_decode_kernel, (bsz * hv * triton.cdiv(V, bv),), pdl, bsz, qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
+    # 4 warps at every batch (WARPS): fastest or tied for each V-split, much faster than 8 with a
+    # whole V row per program (B >= 32).
+    _gdn_decode_kernel[(bsz * hv * triton.cdiv(V, bv),)](
+        qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots, out, ws, tick,
         q8.view(torch.uint8) if quant == "fp8" else q8, qs, qh,
         qkv.stride(0), z.stride(0), a.stride(0), conv_state.stride(0), conv_state.stride(1), state.stride(0),
         out.stride(0), eps, H=H, HV=hv, K=K, V=V, KW=kw, KWP=triton.next_power_of_2(kw),
         BK=triton.next_power_of_2(K), BV=bv, NVB=triton.cdiv(V, bv), BVF=triton.next_power_of_2(V),
         GP=triton.next_power_of_2(hv // H), EARLY_S=early, QUANT={None: 0, "fp8": 2 if half else 1, "amax": 3}[quant],
         QB=min(4096, triton.next_power_of_2(hv * V)),
-        num_warps=num_warps or WARPS)
+        num_warps=num_warps or WARPS, PDL=pdl, launch_pdl=pdl)
     if quant is None:
         return out
     if quant == "amax":  # a 1-tuple, like the other forms a Linear's x_q takes
         return out, (qs,)
     return out, ((q8, qs, qh) if half else (q8, qs))
 
-
-def gdn_decode_ref(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
-                   num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, dtype=torch.float64):
-    """Plain torch, the same step written the way transformers writes it (state as [V, K] per
-    head), in `dtype`. Returns (out, new conv_state, new state) without touching the inputs."""
-    H, K, V = num_k_heads, head_k_dim, head_v_dim
-    hv = A_log.shape[0]
-    kw = conv_weight.shape[-1]
-    cw = conv_weight.reshape(-1, kw).to(dtype)
-    conv_state, state = conv_state.clone(), state.clone()
-    out = torch.zeros(qkv.shape[0], hv * V, dtype=dtype, device=qkv.device)
-    for i, s in enumerate(slots.tolist()):
-        if s < 0:
-            continue
-        win = torch.cat([conv_state[s].to(dtype), qkv[i].to(dtype)[:, None]], dim=1)  # [C, KW]
-        conv_state[s] = win[:, 1:].to(conv_state.dtype)
-        x = F.silu((win * cw).sum(1))
-        q, k, v = x.split([H * K, H * K, hv * V])
-        q, k, v = q.view(H, K), k.view(H, K), v.view(hv, V)
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) / K**0.5
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        q, k = q.repeat_interleave(hv // H, 0), k.repeat_interleave(hv // H, 0)
-        g = -A_log.to(dtype).exp() * F.softplus(a[i].to(dtype) + dt_bias.to(dtype))
-        beta = torch.sigmoid(b[i].to(dtype))
-        S = state[s].to(dtype) * g.exp()[:, None, None]                        # [HV, V, K]
-        delta = (v - torch.einsum("hvk,hk->hv", S, k)) * beta[:, None]
-        S = S + delta[:, :, None] * k[:, None, :]
-        state[s] = S.to(state.dtype)
-        o = torch.einsum("hvk,hk->hv", S, q)
-        o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + eps) * norm_weight.to(dtype)
-        out[i] = (o * F.silu(z[i].to(dtype).view(hv, V))).flatten()
-    return out, conv_state, state

@@ -32,7 +32,3 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     return gemv_dot(x, w, out=out, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                     num_stages=num_stages)
 
-
-def gemv_bf16_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Plain torch, float64: the exact product."""
-    return x.double() @ w.double().T

@@ -4,25 +4,22 @@ and K is split across CTAs (splitk.py) to keep every SM reading. M = 1 runs on C
 instead (gemv_m1.py).
 
 Two forms. `swap` (what gemv_fp8 runs): the weight rows are the MMA's long side, yᵀ = W · xᵀ,
-so a CTA streams a 64-row weight tile (tiles.dot_tile) per K-step through a cp.async pipeline
+so a CTA streams a 64-row weight tile per K-step through a cp.async pipeline
 into one Hopper wgmma (M = 64 per warpgroup) against the batch as its narrow side (N = 16…64),
 whose few activation bytes every CTA reads again from L2. The plain form multiplies x [M, K] by
 16-row weight tiles (M the MMA's long side, padded): every K-step a CTA moves as many
-activation bytes as weight bytes and issues a 16-wide MMA; on an H200 it reached 21–64 % of the
-copy bandwidth at M = 8–64 on Qwen3.5-4B's FP8 shapes, the swapped form 34–101 %, where a plain
-read of the same bytes reaches 80–115 % (BENCHMARKS.md, session 22). gemv_bf16 above batch 1
-still takes the plain form (the runtime runs cuBLAS there).
+activation bytes as weight bytes and issues a 16-wide MMA, and it streams the weights well below
+the swapped form's bandwidth. gemv_bf16 above batch 1 still takes the plain form (the runtime
+runs cuBLAS there).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .splitk import early_ticket, launch_plan, pdl_launch, store_or_reduce, take_ticket, use_pdl, wait_for_inputs
+from .splitk import interpreted, launch_plan, store_or_reduce, use_pdl, wait_for_inputs
 
 
 @triton.jit
@@ -43,10 +40,9 @@ def _scales(xs_ptr, wsc_ptr, rm, rn, M, N):
 @triton.jit
 def _gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
                      stride_ym, K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SCALED: tl.constexpr, INTERPRET: tl.constexpr, EARLY_TICKET: tl.constexpr):
+                     SPLIT_K: tl.constexpr, SCALED: tl.constexpr, INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -62,14 +58,14 @@ def _gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M, 
     if SCALED:
         xs, wsc = _scales(xs_ptr, wsc_ptr, rm, rn, M, N)
         acc = acc * xs[:, None] * wsc[None, :]
-    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K, ticket, EARLY_TICKET)
+    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
 
 
 @triton.jit
 def _gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
                       stride_ym, K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       SPLIT_K: tl.constexpr, SCALED: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr,
-                      EVEN_N: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, EARLY_TICKET: tl.constexpr):
+                      EVEN_N: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """acc [BN, BM] = W[rows, k-range] · x[:, k-range]ᵀ: the weight tile is the MMA's A operand
     (K-major, as FP8 wgmma needs of both operands), the padded batch its N. EVEN_K / EVEN_N: no
     mask along K (K a multiple of BK) or along the weight rows."""
@@ -83,12 +79,10 @@ def _gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M,
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     # Both scales load before the loop (the weight rows' before the wait, the tokens' after it):
-    # loaded after the loop they cost the tail a round trip (batch 8-64 on an H200: 5-8 % of each
-    # shape's time, BENCHMARKS.md, session 23).
+    # loaded after the loop they cost the tail a round trip.
     if SCALED:
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)  # the pipeline's prologue loads weights and x together: nothing of theirs before it
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     if SCALED:
         xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
     for k0 in tl.range(k_start, k_end, BK, num_stages=STAGES):
@@ -108,8 +102,7 @@ def _gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, M,
         acc = _dot(w, x, acc, SCALED, INTERPRET)
     if SCALED:
         acc = acc * wsc[:, None] * xs[None, :]
-    store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K, ticket,
-                    EARLY_TICKET)
+    store_or_reduce(tl.trans(acc), y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
 
 
 def gemv_dot(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,
@@ -123,20 +116,18 @@ def gemv_dot(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = No
     m, k = x.shape
     n = w.shape[0]
     scaled = x_scale is not None
-    early = early_ticket()
-    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out, early)
+    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, x.device, split_k, out)
     if swap:
         pdl = use_pdl(x.device, pdl)
-        pdl_launch(_gemv_swap_kernel, grid, pdl, m, x, x_scale.reshape(-1).float() if scaled else x, w,
-                   w_scale.reshape(-1) if scaled else w, out, ws, tick, m, n, k, x.stride(0),
-                   w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1],
-                   SCALED=scaled, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
-                   EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0, STAGES=num_stages, num_warps=num_warps,
-                   EARLY_TICKET=early)
+        _gemv_swap_kernel[grid](x, x_scale.reshape(-1).float() if scaled else x, w,
+                                w_scale.reshape(-1) if scaled else w, out, ws, tick, m, n, k, x.stride(0),
+                                w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1],
+                                SCALED=scaled, INTERPRET=interpreted(), EVEN_K=k % block_k == 0,
+                                EVEN_N=n % block_n == 0, STAGES=num_stages, num_warps=num_warps, PDL=pdl,
+                                launch_pdl=pdl)
         return out
     _gemv_dot_kernel[grid](x, x_scale.reshape(-1).float() if scaled else x, w, w_scale.reshape(-1) if scaled else w,
                            out, ws, tick, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_per, BM=bm, BN=block_n,
-                           BK=block_k, SPLIT_K=grid[1], SCALED=scaled,
-                           INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-                           num_stages=num_stages, EARLY_TICKET=early)
+                           BK=block_k, SPLIT_K=grid[1], SCALED=scaled, INTERPRET=interpreted(), num_warps=num_warps,
+                           num_stages=num_stages)
     return out

@@ -9,8 +9,6 @@ cores, two weights per instruction as fp16 pairs (half2.py; gemv_m1.py's fp32 pa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -18,17 +16,19 @@ import triton.language as tl
 from .gemv_dot import gemv_dot
 from .gemv_m1 import gemv_m1
 from .half2 import fp8_pairs, fp8_quad_dot, load_pairs, load_pairs_v4
+from .partials import Partials
 from .rounding import fp8_token_codes, fp8_token_scale
-from .splitk import (Partials, early_ticket, l2_ahead, launch_plan, partials_view, pdl_launch, prefetch_ahead,
-                     split_tile, start_after_producer, store_row, take_ticket, use_pdl, wait_for_inputs,
-                     whole_tile_mask, workspace)
-from .tiles import dot_tile
+from .splitk import (interpreted, l2_ahead, launch_plan, partials_view, prefetch_ahead, split_tile,
+                     start_after_producer, store_row, use_pdl, wait_for_inputs, whole_tile_mask, workspace)
 
 # K-tiles past its first that a batch-1 CTA asks L2 for before its PDL wait (splitk.prefetch_ahead): only the
-# first tile's loads are otherwise in flight across the wait. On an H200 (BENCHMARKS.md, session 25) 1 took
-# the mixed plan's batch-1 step from 1.631-1.632 to 1.625-1.626 ms in two A/Bs (faster in all 7 rounds); 2
-# was no faster than none, and NVFP4's kernel lost with either (+0.011 / +0.023 ms). Read at every launch.
+# first tile's loads are otherwise in flight across the wait. 1 measured faster than none; 2 was not.
 M1_L2_AHEAD = 1
+# gemv_fp8's tile above batch 1 when the caller gives none (the runtime always passes its own): 64 weight
+# rows a CTA on one warpgroup, 256-wide K-steps on a 3-stage pipeline, the split chosen by splitk.geometry.
+DOT_TILE = dict(block_n=64, block_k=256, num_warps=4, num_stages=3)
+# gemv_fp8's tile at batch 1 when the caller gives none.
+M1_TILE = dict(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 
 @triton.jit
@@ -38,9 +38,8 @@ def _load_quads(w_ptr, rn, stride_wn, q0, nmask, q_end, BN: tl.constexpr, NQ: tl
     one [BN, 4·NQ] tile (one 16-byte load per thread and quad) and split in registers: four
     strided 4-byte loads instead read each sector four times. WHOLE: the split's K range is whole
     tiles and this tile lies inside it (the kernel peels the last one), so only N can mask, with a
-    mask constant along K (splitk.whole_tile_mask: 16-byte loads under Triton 3.6; on an H200 the
-    mixed plan's batch-1 step took 1.99 -> 1.965 ms with them, BENCHMARKS.md); with EVEN_N too,
-    no mask at all, and no zero-fill of the destination registers before each load."""
+    mask constant along K (splitk.whole_tile_mask: 16-byte loads under Triton 3.6); with EVEN_N
+    too, no mask at all, and no zero-fill of the destination registers before each load."""
     rw = tl.arange(0, 4 * NQ)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + 4 * q0 + rw[None, :]
     if WHOLE and EVEN_N:
@@ -90,7 +89,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
                         BN: tl.constexpr, NQ: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
                         PDL: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
                         EVEN_N: tl.constexpr, QX: tl.constexpr, NP: tl.constexpr, BQ: tl.constexpr,
-                        EARLY: tl.constexpr, EARLY_TICKET: tl.constexpr, AHEAD: tl.constexpr = 0):
+                        EARLY: tl.constexpr, AHEAD: tl.constexpr = 0):
     """M = 1 on CUDA cores: a tile is BN rows × NQ quads of 16 weights (four 32-bit words);
     two E4M3 weights become an fp16 pair in one cvt and meet two activations in one
     fma.rn.f16x2 (half2.py); each quad's sum goes to fp32, the scales multiply the row's total.
@@ -108,7 +107,6 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     prefetch_ahead(w_ptr, rn, N, stride_wn, 4 * (q_first + NQ), 4 * q_end, AHEAD, 4 * NQ, 32)
     wait_for_inputs(PDL)
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     if EARLY and not QX:
         xs = tl.load(xs_ptr)
     if QX:  # the scratch, addressed like xh from the slice's first value on
@@ -117,8 +115,7 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
         xh_ptr = (px - k_start).to(tl.pointer_type(tl.int32), bitcast=True)
     # The next tile's loads go out before this one is computed: latency bounds these shapes. The
     # last tile is peeled, so with whole tiles the loop's loads are always in range along K: no K
-    # mask, no zero-fill (Triton 3.6: gdn_in's loop 241 -> 219 instructions; mixed batch 1 on an
-    # H200 1.863 -> 1.851 ms, BENCHMARKS.md, session 17). Otherwise the last tile may be partial.
+    # mask, no zero-fill (fewer instructions in the loop). Otherwise the last tile may be partial.
     if WHOLE:
         q_last = q_end - NQ
     else:
@@ -133,15 +130,13 @@ def _gemv_fp8_m1_kernel(xh_ptr, xs_ptr, w_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr,
             xs = tl.load(xs_ptr)
         wsc = tl.load(wsc_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     y = tl.sum(acc, 1) * (256.0 * xs) * wsc
-    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET, ticket, EARLY_TICKET)
+    store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 
 
 def early_scales(qx: bool, splits: int, num_warps: int) -> bool:
-    """Whether the batch-1 kernel loads its scales before the K loop rather than after it. Timed
-    both ways on an H200 (BENCHMARKS.md, session 23), before was faster by 2-4.5 % on the
-    quantizing form and on unsplit 8-warp tiles (the GDN and attention input projections), and
-    slower by 2-20 % on the rest (the 4-warp gate_up tile most); the compiled loops differ, the
-    cause is not known. So before only where it measured faster."""
+    """Whether the batch-1 kernel loads its scales before the K loop rather than after it: before
+    measured faster on the quantizing form and on unsplit 8-warp tiles (the GDN and attention input
+    projections), slower on the rest (the compiled loops differ; the cause is not known)."""
     return qx or (splits == 1 and num_warps == 8)
 
 
@@ -151,8 +146,7 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
     with x_row, from the bf16 row and its absmax parts x_amax (QX: quantized in the kernel)."""
     n, k = w_q.shape
     dev = w_q.device
-    early = early_ticket(partials)
-    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, dev, split_k, out, early)
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, dev, split_k, out)
     partials = partials and grid[1] > 1
     pdl = use_pdl(dev, pdl)
     qx = x_row is not None
@@ -161,20 +155,19 @@ def _gemv_fp8_m1(x_q, x_scale, w_q, w_scale, out, block_n, block_k, split_k, num
         x_half, x_scale = px, x_amax
     elif x_half is None:  # E4M3 -> fp16 is exact, and so is the power of two
         x_half = x_q.to(torch.float16) * 0.00390625
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreted()
     whole = k % block_k == 0  # every split is whole K-tiles (launch_plan): no K mask, 16-byte loads
-    pdl_launch(_gemv_fp8_m1_kernel, grid, pdl, 1, x_half.view(torch.int32), x_scale.reshape(-1).float(),
-               w_q.view(torch.int32), w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4, k_per,
-               x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
-               x_amax.numel() if qx else 0, BN=block_n,
-               NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
-               num_warps=num_warps, num_stages=num_stages, PARTIALS=partials,
-               WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
-               EVEN_N=n % block_n == 0, QX=qx,
-               NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
-               BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
-               EARLY_TICKET=early,
-               AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD))
+    _gemv_fp8_m1_kernel[grid](x_half.view(torch.int32), x_scale.reshape(-1).float(),
+                              w_q.view(torch.int32), w_scale.reshape(-1), out, ws, tick, n, k, w_q.stride(0) // 4,
+                              k_per, x_row if qx else out, x_amax.reshape(-1) if qx else ws, x_half,
+                              x_amax.numel() if qx else 0, BN=block_n,
+                              NQ=block_k // 16, SPLIT_K=grid[1], INTERPRET=interp,
+                              num_warps=num_warps, num_stages=num_stages, PARTIALS=partials,
+                              WHOLE=whole, V4=whole and x_half.data_ptr() % 16 == 0 and not interp,
+                              EVEN_N=n % block_n == 0, QX=qx,
+                              NP=triton.next_power_of_2(x_amax.numel()) if qx else 1,
+                              BQ=min(1024, triton.next_power_of_2(k_per)), EARLY=early_scales(qx, grid[1], num_warps),
+                              AHEAD=l2_ahead(interp, k_per // block_k - 1, M1_L2_AHEAD), PDL=pdl, launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 
@@ -203,8 +196,8 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     """x_q E4M3 [M, K], x_scale fp32 [M, 1], w_q E4M3 [N, K], w_scale [N, 1] -> bf16 [M, N].
     path: "half2" (M = 1, paired fp16 on CUDA cores), "fma" (M = 1, fp32 on CUDA cores:
     gemv_m1.py), "dot" (tensor cores, gemv_dot's swapped form), "auto" (half2 at M = 1 where K
-    and the rows allow, dot above). Tile arguments left None: 16 × 256, 4 warps at M = 1 (the
-    runtime passes tiles.m1_tile's), tiles.dot_tile's on the tensor cores.
+    and the rows allow, dot above). Tile arguments left None: M1_TILE's at M = 1, DOT_TILE's on the
+    tensor cores (the runtime passes its own tiles).
     x_half: fp16 [1, K], x_q's values × 2^-8 (half2.fp8_pairs), already written by the
     producer, for the half2 path (None: converted here, one more launch). partials: on the half2
     path, when K is split, return the splits' fp32 sums unreduced (partials.Partials, for
@@ -219,11 +212,7 @@ def gemv_fp8(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     dot = path == "dot" or (path == "auto" and m > 1)
     given = {key: v for key, v in dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                                        num_stages=num_stages).items() if v is not None}
-    if len(given) == 5:  # a whole tile (QuantLinear's, looked up once): no rule to consult
-        tile = given
-    else:
-        tile = {**(dot_tile("fp8", n, k, m) if dot else dict(block_n=16, block_k=256, num_warps=4, num_stages=4)),
-                **given}
+    tile = {**(DOT_TILE if dot else M1_TILE), **given}
     if dot:
         return gemv_dot(x_q, w_q, x_scale, w_scale, out=out, swap=True, pdl=pdl, **tile)
     if path == "half2" or (path == "auto" and half2_ok):
@@ -303,21 +292,20 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, h_ptr, K, stride_xm, SLICE, BK: tl.co
         tl.store(s_ptr + row, scale)
 
 
-def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None = None) -> tuple[torch.Tensor, ...]:
+def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None = None,
+                        pdl: bool | None = None) -> tuple[torch.Tensor, ...]:
     """bf16 [M, K] -> (E4M3 [M, K], fp32 scale [M, 1]), numerics of quant.fp8.fake_quant_activation;
     half: and a third item, the codes' values × 2^-8 in fp16 (half2.fp8_pairs), what
     gemv_fp8's batch-1 kernel reads. slice_k: values a program quantizes, each program also
     reading its row whole for the scale (K or more: one 8-warp program per row). None: slices of
-    256 on 2 warps at M = 1, one program per row above. At batch 1 the one-program kernel took
-    8 us for a 4096-wide row, on the decode step's critical path between gdn_decode and
-    out_proj 32 times a step (scripts/profile_step.py); on an H200, mixed plan, slices took the
-    step from 2.28-2.34 to 2.26 ms alone and, with add_rmsnorm's slices, to 2.20-2.21 ms
-    (BENCHMARKS.md, session 9). Above batch 1 the runtime quantizes in gdn_decode / attn_decode."""
+    256 on 2 warps at M = 1, one program per row above. At batch 1 the one-program kernel sat on
+    the decode step's critical path between gdn_decode and out_proj; slices share its work out.
+    Above batch 1 the runtime quantizes in gdn_decode / attn_decode. pdl: as splitk.use_pdl."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     h = torch.empty(m, k, dtype=torch.float16, device=x.device) if half else s
-    pdl = use_pdl(x.device, None)
+    pdl = use_pdl(x.device, pdl)
     if slice_k is None:
         slice_k = QUANT_SLICE_M1 if m == 1 else k
     sl = min(slice_k, k)
@@ -327,10 +315,3 @@ def quant_fp8_per_token(x: torch.Tensor, half: bool = False, slice_k: int | None
                                                BS=min(bk, triton.next_power_of_2(sl)), HALF=half, PDL=pdl,
                                                launch_pdl=pdl, num_warps=warps)
     return (q, s, h) if half else (q, s)
-
-
-def gemv_fp8_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Plain torch, float64: the exact product of the dequantized operands."""
-    x = x_q.double() * x_scale.double()
-    w = w_q.double() * w_scale.double()
-    return x @ w.T

@@ -16,25 +16,18 @@ down_proj is BF16 too, the batch-1 MLP is two launches, not three.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (early_ticket, launch_plan, pdl_launch, split_tile, store_row, take_ticket, use_pdl,
-                     wait_for_inputs)
+from .splitk import interpreted, launch_plan, split_tile, store_row, use_pdl, wait_for_inputs
 
 
-# The K loop's software pipeline depth. The loop used to issue the next tile's loads by hand, into
-# registers, the first one before the PDL wait; Triton's cp.async pipeline at 3 stages (two tiles
-# in flight, in shared memory) took the BF16 plan's batch-1 step on an H200 from 2.788 / 2.790 to
-# 2.751 / 2.748 ms and the mixed plan's (whose lm_head is this kernel) from 2.175 to 2.157
-# (BENCHMARKS.md, session 14). 4 stages: 2.754. The paired-fp16 FP8 / NVFP4 GEMVs got 36-113 %
-# slower the same way, so they keep their register prefetch. The loop sets its own depth (tl.range):
-# a kernel-level num_stages does not pipeline loads that feed no tl.dot.
+# The K loop's cp.async pipeline depth (two tiles in flight, in shared memory): faster than the
+# hand-written register prefetch it replaced, and than 4 stages. The loop sets its own depth
+# (tl.range): a kernel-level num_stages does not pipeline loads that feed no tl.dot.
 M1_STAGES = 3
 
 
@@ -69,8 +62,7 @@ def _w_f32(w, FP8: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr, tick_ptr, N, K, stride_wn,
                     K_PER_SPLIT, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, FP8: tl.constexpr,
-                    SILU: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-                    EARLY_TICKET: tl.constexpr):
+                    SILU: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """SILU (BF16, no split): w is a fused [gate; up] of 2·N rows; the CTA streams gate rows rn
     and up rows N + rn together and writes silu(gate) · up [N]."""
     pid_n, pid_k, rn, nmask, k_start, k_end = split_tile(N, K, K_PER_SPLIT, BN)
@@ -79,7 +71,6 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
     if SILU:
         acc_u = tl.zeros((BN, BK), dtype=tl.float32)
     wait_for_inputs(PDL)
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     # Triton pipelines this loop's loads through shared memory (cp.async, STAGES - 1 tiles ahead)
     for k0 in tl.range(k_start, k_end, BK, num_stages=STAGES):
         w = _load_w(w_ptr, w8_ptr, rn, nmask, stride_wn, k0, k_end, BK, FP8, INTERPRET)
@@ -96,7 +87,7 @@ def _gemv_m1_kernel(x_ptr, x8_ptr, xs_ptr, w_ptr, w8_ptr, wsc_ptr, y_ptr, ws_ptr
         h = silu_mul_values(round_bf16(y), round_bf16(tl.sum(acc_u, 1)))
         tl.store(y_ptr + rn, h.to(y_ptr.dtype.element_ty), mask=nmask)
     else:
-        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, False, INTERPRET, ticket, EARLY_TICKET)
+        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, False, INTERPRET)
 
 
 def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = None,
@@ -117,14 +108,11 @@ def gemv_m1(x: torch.Tensor, w: torch.Tensor, x_scale: torch.Tensor | None = Non
     fp8 = w.dtype == torch.float8_e4m3fn
     if fp8 != (x.dtype == torch.float8_e4m3fn) or fp8 != (x_scale is not None and w_scale is not None):
         raise ValueError("gemv_m1: x and w are both bf16, or both E4M3 with x_scale and w_scale")
-    early = early_ticket()
-    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, 1 if silu else split_k, out,
-                                                early)
+    _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, x.device, 1 if silu else split_k, out)
     pdl = use_pdl(x.device, pdl)
     as_bytes = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)  # noqa: E731
-    pdl_launch(_gemv_m1_kernel, grid, pdl, 1, x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
-               w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
-               BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu,
-               INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps, STAGES=M1_STAGES,
-               EARLY_TICKET=early)
+    _gemv_m1_kernel[grid](x, as_bytes(x), x_scale.reshape(-1).float() if fp8 else x,
+                          w, as_bytes(w), w_scale.reshape(-1) if fp8 else w, out, ws, tick, n, k, w.stride(0), k_per,
+                          BN=block_n, BK=block_k, SPLIT_K=grid[1], FP8=fp8, SILU=silu, INTERPRET=interpreted(),
+                          num_warps=num_warps, STAGES=M1_STAGES, PDL=pdl, launch_pdl=pdl)
     return out

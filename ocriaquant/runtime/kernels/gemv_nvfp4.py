@@ -23,46 +23,34 @@ in fp32 — the same values as the GPU's bf16 path, which bench_kernels.py check
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .half2 import (M1_LAYOUT, e2m1_times_2m14, load_after, load_pairs, load_pairs_v4, nvfp4_block_dot,
                     store_nvfp4_pairs)
+from .partials import Partials
 from .rounding import e4m3_value, round_bf16
 from .silu_mul_quant import silu_mul_values
-from .splitk import (Partials, after_wait, early_ticket, launch_plan, partials_view, pdl_launch, split_tile,
-                     store_or_reduce, store_row, take_ticket, use_pdl, wait_for_inputs, whole_tile_mask)
-
-# Whether the batch-1 kernel reads its activations and block scales laid out as its tile uses them (PURE: pure
-# asm loads, half2.load_pairs_v4 with `after`, and scale offsets of contiguity 2), on the launches where that
-# measured faster: K-tiles of at most 512 outside gemv_nvfp4_silu. Before, Triton converted the activation words
-# and the block sums between layouts every K-tile, through shuffles or shared memory and barriers (4-24 bar.sync
-# a tile, sm_90 SASS). On an H100 (BENCHMARKS.md, session 36) the nvfp4 plan's batch-1 step took 2.324 -> 2.186
-# ms, gdn_in 12288×2560 alone 9.1 -> 8.0 µs, the lm_head 127 -> 121 µs; the mixed plan's is level (1.902 /
-# 1.904 ms: its NVFP4 GEMVs are the two excluded). Excluded because they lost: the wide K-tiles (2560×4096 on
-# 4 × 4096, 3.4 -> 3.7 µs; down_proj on 8 × 1024, 8.3 -> 8.8 µs) and gemv_nvfp4_silu in the mixed step (+5 µs).
-# On the wide K-tiles the weight block scales' 2-byte loads alone cost as much: with only their offsets changed
-# (activations read as before) they took 3.70 and 9.02 µs; why is not settled. 0 (OCRIAQUANT_NVFP4_M1_PURE=0):
-# the loads before, everywhere; 2: the pure loads everywhere, the SiLU gate_up too (what probes compare the rule
-# with); the variable read at import, M1_PURE at every launch.
-M1_PURE = int(os.environ.get("OCRIAQUANT_NVFP4_M1_PURE", "1"))
+from .splitk import (after_wait, interpreted, launch_plan, partials_view, split_tile, store_or_reduce, store_row,
+                     use_pdl, wait_for_inputs, whole_tile_mask)
 
 
 def pure_loads(block_k: int, silu: bool) -> bool:
-    """M1_PURE's rule for one batch-1 launch."""
-    return M1_PURE == 2 or (M1_PURE == 1 and block_k <= 512 and not silu)
+    """Whether a batch-1 launch reads its activations and block scales laid out as its tile uses them
+    (PURE: pure asm loads, half2.load_pairs_v4 with `after`, and block-scale offsets of contiguity 2)
+    rather than in Triton's default layout, which it converts every K-tile through shuffles or shared
+    memory and barriers. Faster on K-tiles of at most 512; slower on the wide K-tiles and in
+    gemv_nvfp4_silu, so not there."""
+    return block_k <= 512 and not silu
 
 
 @triton.jit
 def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tick_ptr, M, N, K, stride_xm, stride_wn,
                        stride_sn, stride_ym, K_PER_SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, EARLY_TICKET: tl.constexpr):
+                       SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rkh = tl.arange(0, BK // 2)      # packed bytes of a K-tile
@@ -94,7 +82,7 @@ def _gemv_nvfp4_kernel(x_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, tic
             acc = tl.dot(x.to(tl.float32), tl.trans(round_bf16(w)), acc)
         else:
             acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
-    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K, ticket, EARLY_TICKET)
+    store_or_reduce(acc, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, M, N, stride_ym, BM, BN, SPLIT_K)
 
 
 @triton.jit
@@ -105,7 +93,7 @@ def _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b0, b_en
     whose E4M3 conversion is unreliable: rounding.py). WHOLE: the split's K range is whole tiles,
     so a tile is in or out as one; a mask constant along K (and a 16-block-aligned start) lets
     each thread load 16 bytes where a per-block mask allowed 8: half the weight loads, the same
-    SASS loop length otherwise (BENCHMARKS.md, session 10)."""
+    SASS loop length otherwise."""
     kb = b0 + tl.arange(0, NB)
     rw = tl.arange(0, 2 * NB)
     if WHOLE:  # a block, not a scalar compare (the interpreter rejects scalar masks), in each load's shape
@@ -134,7 +122,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                           K, stride_wn, stride_sn, K_PER_SPLIT, BN: tl.constexpr, NB: tl.constexpr,
                           SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr,
                           SILU: tl.constexpr, PARTIALS: tl.constexpr, WHOLE: tl.constexpr, V4: tl.constexpr,
-                          PURE: tl.constexpr, EARLY_TICKET: tl.constexpr):
+                          PURE: tl.constexpr):
     """M = 1 without tensor cores: padding one row to the 16 an MMA needs wastes 15/16 of it
     and forces the decoded weights through a shared-memory layout change. Here a tile is BN
     rows × NB blocks of 16 weights; each block's two 32-bit words are decoded two nibbles at a
@@ -158,9 +146,8 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
     b_end = k_end // 16
     v0, v1, s = _load_tile(w_ptr, sc_ptr, sc8_ptr, rn, nmask, stride_wn, stride_sn, b_first, b_end, BN, NB,
                            INTERPRET, WHOLE, PURE)
-    gs = tl.load(gs_ptr)  # here, not after the loop: mixed batch 1 on an H200 1.643 -> 1.635 ms (session 23)
+    gs = tl.load(gs_ptr)  # here, before the wait, not after the loop: its round trip hides under the first tile's
     wait_for_inputs(PDL)
-    ticket = take_ticket(tick_ptr, pid_n, SPLIT_K, EARLY_TICKET, INTERPRET)
     after = after_wait(b_first) if V4 and PURE else 0  # orders the pure activation loads behind the wait
     rb = tl.arange(0, NB)
     acc = tl.zeros((BN, NB), dtype=tl.float32)
@@ -169,7 +156,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
                                 INTERPRET, WHOLE, PURE)  # the next tile (masked off after the last)
         kb = b0 + rb                                        # block index along K
         bmask = kb < b_end
-        if V4 and PURE:  # whole tiles, 16-byte aligned pairs, GPU: laid out as the tile uses them (see PURE)
+        if V4 and PURE:  # whole tiles, 16-byte aligned pairs, GPU: laid out as the tile uses them (pure_loads)
             xs = load_after(xs_ptr + kb, after).to(tl.float32, bitcast=True)
             p0, p1, p2, p3, p4, p5, p6, p7 = load_pairs_v4(xw_ptr + kb * 8, after)
         else:
@@ -195,7 +182,7 @@ def _gemv_nvfp4_m1_kernel(xw_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr,
         h = tl.reshape(silu_mul_values(g, u), (BN // 2,))
         store_nvfp4_pairs(h, hw_ptr, hs_ptr, pid_n * (BN // 2), N // 2)
     else:
-        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET, ticket, EARLY_TICKET)
+        store_row(y, y_ptr, ws_ptr, tick_ptr, pid_n, pid_k, N, BN, SPLIT_K, PARTIALS, INTERPRET)
 
 
 @triton.jit
@@ -218,25 +205,6 @@ def nvfp4_x_pairs(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, tor
     block = min(block, triton.next_power_of_2(k))
     _nvfp4_pairs_kernel[(m, triton.cdiv(k, block))](x, xw, xs, k, x.stride(0), BLOCK=block, num_warps=4)
     return xw, xs
-
-
-def nvfp4_x_pairs_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: nvfp4_x_pairs' words and scales (the scaling, fp16 rounding and order of
-    half2.nvfp4_pairs, written independently: exponents from frexp, powers of two built from
-    their bits, so that no log2 or pow rounding on any device can move them)."""
-    m, k = x.shape
-    blocks = x.float().reshape(m, k // 16, 16)
-    amax = blocks.abs().amax(-1)
-    e = (torch.frexp(amax)[1].long() - 1).where(amax >= 2.0 ** -126, torch.tensor(-100, device=x.device))
-    e = e.clamp(min=-100)
-
-    def pow2(n):
-        return ((n + 1023) << 52).view(torch.float64)
-
-    h = (blocks.double() * pow2(14 - e)[..., None]).to(torch.float16)
-    order = [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]  # (lo, hi) of words 0..7
-    words = h[..., order].contiguous().view(torch.int32).reshape(m, k // 2)
-    return words, pow2(e).float()
 
 
 def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,29 +238,25 @@ def pack_m1(w_packed: torch.Tensor, w_scale: torch.Tensor, interleave: bool = Fa
 
 
 def _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx, pdl,
-               device, out=None, silu_out=None, partials=False, maxnreg=None):
+               device, out=None, silu_out=None, partials=False):
     words, scales = m1
     if words.shape != (n, k // 8) or scales.shape != (n, k // 16):
         raise ValueError(f"gemv_nvfp4: batch-1 weight words {tuple(words.shape)} / scales {tuple(scales.shape)} "
                          f"do not match N={n}, K={k} (pack_m1 makes them)")
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    early = early_ticket(partials and silu_out is None)
+    interp = interpreted()
     _, grid, k_per, out, ws, tick = launch_plan(1, n, k, block_n, block_k, device, split_k,
-                                                out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16),
-                                                early)
+                                                out if silu_out is None else xw.new_empty(0, dtype=torch.bfloat16))
     pdl = use_pdl(device, pdl)
     partials = partials and silu_out is None and grid[1] > 1
     whole = k % block_k == 0  # every split is whole K-tiles: no K mask needed
     hw, hs = silu_out if silu_out is not None else (out, out)
-    # A register cap (a tile override's fifth number) is also a scheduling hint: see tiles.py. The interpreter
-    # has no registers.
-    cap = {"maxnreg": maxnreg} if maxnreg and not interp else {}
-    pdl_launch(_gemv_nvfp4_m1_kernel, grid, pdl, 1, xw, xs, words, scales.view(torch.uint8), scales,
-               w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0), scales.stride(0),
-               k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1], num_warps=num_warps, num_stages=num_stages,
-               INTERPRET=interp, PTX=ptx and not interp, SILU=silu_out is not None,
-               PARTIALS=partials, WHOLE=whole, V4=whole and xw.data_ptr() % 16 == 0 and not interp,
-               PURE=pure_loads(block_k, silu_out is not None), EARLY_TICKET=early, **cap)
+    _gemv_nvfp4_m1_kernel[grid](xw, xs, words, scales.view(torch.uint8), scales,
+                                w_global_scale.reshape(1).float(), out, ws, tick, hw, hs, n, k, words.stride(0),
+                                scales.stride(0), k_per, BN=block_n, NB=block_k // 16, SPLIT_K=grid[1],
+                                num_warps=num_warps, num_stages=num_stages, INTERPRET=interp,
+                                PTX=ptx and not interp, SILU=silu_out is not None, PARTIALS=partials, WHOLE=whole,
+                                V4=whole and xw.data_ptr() % 16 == 0 and not interp,
+                                PURE=pure_loads(block_k, silu_out is not None), PDL=pdl, launch_pdl=pdl)
     return partials_view(ws, grid[1], n) if partials else out
 
 
@@ -301,16 +265,14 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
                split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                path: str = "auto", ptx: bool = True, pdl: bool | None = None,
                x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
-               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False,
-               maxnreg: int | None = None) -> torch.Tensor | Partials:
+               m1: tuple[torch.Tensor, torch.Tensor] | None = None, partials: bool = False) -> torch.Tensor | Partials:
     """x bf16 [M, K], w_packed uint8 [N, K/2], w_scale E4M3 [N, K/16], w_global_scale fp32 [1]
     -> bf16 [M, N]. path: "fma" (M = 1 only), "dot" (tensor cores), "auto" (fma at M = 1).
     ptx: the M = 1 path decodes words with the PTX sequence (GPU only; False: Triton's ops).
     x_pairs: x as nvfp4_x_pairs gives it, already written by the producer (M = 1 path only;
     None: made here, one more launch; x may then be None). m1: the weight as pack_m1 gives it,
     made once at load (M = 1 path; None: packed here, for tests and one-off calls). partials: on
-    the M = 1 path, when K is split, the splits' fp32 sums unreduced (partials.Partials). maxnreg:
-    the M = 1 kernel's register cap (Triton's; None: the compiler's choice; see tiles.py)."""
+    the M = 1 path, when K is split, the splits' fp32 sums unreduced (partials.Partials)."""
     n = w_packed.shape[0]
     m, k = (1, w_packed.shape[1] * 2) if x is None else x.shape
     if w_packed.shape[1] * 2 != k or w_scale.shape != (n, k // 16):
@@ -325,14 +287,12 @@ def gemv_nvfp4(x: torch.Tensor | None, w_packed: torch.Tensor, w_scale: torch.Te
         xw, xs = x_pairs if x_pairs is not None else nvfp4_x_pairs(x.contiguous())
         m1 = pack_m1(w_packed, w_scale) if m1 is None else m1
         return _m1_launch(xw, xs, m1, w_global_scale, n, k, block_n, block_k, split_k, num_warps, num_stages, ptx,
-                          pdl, device, out=out, partials=partials, maxnreg=maxnreg)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    early = early_ticket()
-    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out, early)
+                          pdl, device, out=out, partials=partials)
+    bm, grid, k_per, out, ws, tick = launch_plan(m, n, k, block_n, block_k, device, split_k, out)
     _gemv_nvfp4_kernel[grid](x, w_packed, w_scale.view(torch.uint8), w_scale, w_global_scale.reshape(1).float(),
                              out, ws, tick, m, n, k, x.stride(0), w_packed.stride(0), w_scale.stride(0), out.stride(0),
                              k_per, BM=bm, BN=block_n, BK=block_k, SPLIT_K=grid[1], num_warps=num_warps,
-                             num_stages=num_stages, INTERPRET=interp, EARLY_TICKET=early)
+                             num_stages=num_stages, INTERPRET=interpreted())
     return out
 
 
@@ -355,19 +315,3 @@ def gemv_nvfp4_silu(x_pairs: tuple[torch.Tensor, torch.Tensor], m1: tuple[torch.
                words.device, silu_out=(hw, hs))
     return hw, hs
 
-
-def gemv_nvfp4_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                   w_global_scale: torch.Tensor) -> torch.Tensor:
-    """Plain torch, float64: x times the weight dequantized by quant.nvfp4 (the simulation's)."""
-    from ...quant import nvfp4
-
-    w = nvfp4.dequantize(w_packed, w_scale, w_global_scale, torch.bfloat16)
-    return x.double() @ w.double().T
-
-
-def gemv_nvfp4_silu_ref(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
-                        w_global_scale: torch.Tensor) -> torch.Tensor:
-    """Plain torch, float64: silu(gate) · up of a fused gate_up (rows [gate; up], not
-    interleaved), what gemv_nvfp4_silu's activation pairs hold up to bf16 and fp16 rounding."""
-    gate, up = gemv_nvfp4_ref(x, w_packed, w_scale, w_global_scale).chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

@@ -2,10 +2,10 @@
 as the step's tokens and as the next step's input (the token into the meta's first row, the
 length one more unless the row sits on the sentinel slot).
 
-In torch this is torch.argmax's reduction (8.7 µs over Qwen3.5's 248,320 logits at batch 1 on
-an H200, one program per row) and three small kernels after it, none PDL-launched. Here the
-vocabulary is split over many programs; each writes its chunk's best, and the row's last
-program to finish (a ticket, as the split-K GEMVs reduce, splitk.py) picks the row's best.
+In torch this is torch.argmax's reduction (one program per row over Qwen3.5's 248,320 logits)
+and three small kernels after it, none PDL-launched. Here the vocabulary is split over many
+programs; each writes its chunk's best, and the row's last program to finish (a ticket, as the
+split-K GEMVs reduce, splitk.py) picks the row's best.
 
 Ties and NaN as torch.argmax: the first index of the maximum; a NaN counts as larger than
 everything, so the first NaN wins.
@@ -67,10 +67,10 @@ def _greedy_advance_kernel(logit_ptr, ws_ptr, tick_ptr, nxt_ptr, tok_ptr, slot_p
 
 
 def greedy_advance(logits: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-                   sentinel: int) -> torch.Tensor:
+                   sentinel: int, pdl: bool | None = None) -> torch.Tensor:
     """logits [B, V] (row stride free); tokens, slots, lengths int64 [B], rows of the step's meta,
     updated in place: tokens = each row's argmax, lengths + 1 where slots != sentinel. Returns
-    the argmax, int64 [B]."""
+    the argmax, int64 [B]. pdl: as splitk.use_pdl."""
     bsz, vocab = logits.shape
     if logits.stride(1) != 1 or vocab >= 2**24 or any(t.shape != (bsz,) or t.dtype != torch.int64
                                                        for t in (tokens, slots, lengths)):
@@ -79,16 +79,9 @@ def greedy_advance(logits: torch.Tensor, tokens: torch.Tensor, slots: torch.Tens
     chunks = triton.cdiv(vocab, CHUNK)
     ws, tick = workspace(logits.device, (bsz, chunks, 2), bsz, owner="greedy_advance")
     nxt = torch.empty(bsz, dtype=torch.int64, device=logits.device)
-    pdl = use_pdl(logits.device, None)
+    pdl = use_pdl(logits.device, pdl)
     _greedy_advance_kernel[(bsz, chunks)](logits, ws, tick, nxt, tokens, slots, lengths, vocab, logits.stride(0),
                                           sentinel, CHUNKS=chunks, BC=CHUNK, BP=triton.next_power_of_2(chunks),
                                           num_warps=8, PDL=pdl, launch_pdl=pdl)
     return nxt
 
-
-def greedy_advance_ref(logits, tokens, slots, lengths, sentinel) -> torch.Tensor:
-    """The torch ops the runtime ran before this kernel (model_runner's _advance)."""
-    nxt = logits.argmax(-1)
-    tokens.copy_(nxt)
-    lengths.add_(slots != sentinel)
-    return nxt

@@ -3,7 +3,7 @@
 At M = 1 every weight streams once and costs instructions of its own. Decoding it to fp32 and
 multiplying there took, per weight, a conversion (a quarter-rate instruction on Hopper), an
 FFMA and an activation load or conversion: gemv_nvfp4 reached 18–35 % of the copy bandwidth
-and gemv_fp8 41–61 % (BENCHMARKS.md, session 4), bound by those instructions, not by memory.
+and gemv_fp8 41–61 %, bound by those instructions, not by memory.
 Here two weights are decoded into the two halves of one register and multiplied by two
 activations with one `fma.rn.f16x2`; a block's products are summed in fp16 and only the block
 sum is converted to fp32, where the block scale multiplies it.
@@ -13,8 +13,8 @@ quant_fp8_per_token): scaled by a power of two so that no fp16 product or block 
 overflow, rounded to fp16 and packed two to a 32-bit word in the order the weight decoder
 produces its halves. Preparing them inside the GEMV cost every thread that held a K-tile a
 load, a conversion, a multiply and a pack per activation, repeated by each thread of the same
-column: ~1.3 of the ~5.4 instructions per weight of NVFP4's 2560-wide shapes, plus a pass over
-x for its maximum (sm_90 SASS, session 6). Now a thread loads eight words per 16 weights.
+column: ~1.3 of the ~5.4 instructions per weight of NVFP4's 2560-wide shapes (sm_90 SASS), plus
+a pass over x for its maximum. Now a thread loads eight words per 16 weights.
 
 - FP8 (`fp8_pairs`): the E4M3 codes × 2^-8 as fp16, in K order — exact, since E4M3 ⊂ fp16.
 - NVFP4 (`nvfp4_pairs`): each 16-value block scaled by 2^(14 - e), e = ⌊log2 max|x|⌋ of the
@@ -24,8 +24,8 @@ x for its maximum (sm_90 SASS, session 6). Now a thread loads eight words per 16
   block's 2^e multiplies its fp32 sum beside the weight's block scale.
 
 Under TRITON_INTERPRET=1 (CI) inline PTX cannot run; the same sums are then taken in fp32 from
-the same fp16 values (`_*_ref`), which agrees with the GPU's fp16 block sums to fp16
-rounding — what the kernel tests bound against the float64 reference.
+the same fp16 values (`_*_f32`), which agrees with the GPU's fp16 block sums to fp16
+rounding — what the kernel tests bound against the float64 references (reference.py).
 """
 
 import triton
@@ -108,9 +108,7 @@ def load_pairs_v4(p, after=None):
     """load_pairs without a mask, GPU only: the eight words at p + 0 … 7 (32-byte aligned) as two
     16-byte loads (PTX ld.global.v4) instead of eight 4-byte ones — Triton issues one load per
     tl.load, and the eight words are eight tensors. In gemv_nvfp4's batch-1 loop they were 16 of a
-    thread's 29 loads a tile; ncu had its L1/TEX pipe 77 % busy (DRAM 31 %) and warps waiting on it
-    44 % of the time. With these the mixed plan's batch-1 step went from 2.175 to
-    2.091 ms on an H200 (BENCHMARKS.md, session 14; gemv_fp8 gained nothing from them then).
+    thread's 29 loads a tile, and the L1/TEX pipe, not DRAM, was the one warps waited on.
 
     after None: a non-pure asm, which a compiler may not move above the PDL wait that orders it after
     its producer — but which keeps the default layout of its shape, so that its results are converted
@@ -192,7 +190,7 @@ def _m1_pair(v, MAG: tl.constexpr, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_pair_ref(v, p, MAG: tl.constexpr, SIGN: tl.constexpr):
+def _nvfp4_pair_f32(v, p, MAG: tl.constexpr, SIGN: tl.constexpr):
     """Pair (MAG, SIGN) of words v times the activation pair p, in fp32."""
     w_lo, w_hi = _m1_pair(v, MAG, SIGN)
     x_lo, x_hi = unpack_f16x2(p)
@@ -200,11 +198,11 @@ def _nvfp4_pair_ref(v, p, MAG: tl.constexpr, SIGN: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_block_ref(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7):
+def _nvfp4_block_f32(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7):
     """_nvfp4_block_ptx in fp32 Triton ops (any backend); the shifts are M1_LAYOUT's."""
-    return (_nvfp4_pair_ref(v0, p0, 0, 0) + _nvfp4_pair_ref(v0, p1, 3, 3) + _nvfp4_pair_ref(v0, p2, 6, 1)
-            + _nvfp4_pair_ref(v0, p3, 9, 2) + _nvfp4_pair_ref(v1, p4, 0, 0) + _nvfp4_pair_ref(v1, p5, 3, 3)
-            + _nvfp4_pair_ref(v1, p6, 6, 1) + _nvfp4_pair_ref(v1, p7, 9, 2))
+    return (_nvfp4_pair_f32(v0, p0, 0, 0) + _nvfp4_pair_f32(v0, p1, 3, 3) + _nvfp4_pair_f32(v0, p2, 6, 1)
+            + _nvfp4_pair_f32(v0, p3, 9, 2) + _nvfp4_pair_f32(v1, p4, 0, 0) + _nvfp4_pair_f32(v1, p5, 3, 3)
+            + _nvfp4_pair_f32(v1, p6, 6, 1) + _nvfp4_pair_f32(v1, p7, 9, 2))
 
 
 # Four FP8 words (16 E4M3 weights, k = 0..15 from the low byte of $1) times their activations
@@ -237,18 +235,18 @@ def _fp8_quad_ptx(v0, v1, v2, v3, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _fp8_pair_ref(t, p):
+def _fp8_pair_f32(t, p):
     """Bytes 0 and 1 of word t times the activation pair p, in fp32."""
     x_lo, x_hi = unpack_f16x2(p)
     return e4m3_value(t & 255) * x_lo + e4m3_value((t >> 8) & 255) * x_hi
 
 
 @triton.jit
-def _fp8_quad_ref(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7):
+def _fp8_quad_f32(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7):
     """_fp8_quad_ptx in fp32 Triton ops (any backend)."""
-    return (_fp8_pair_ref(v0, p0) + _fp8_pair_ref(v0 >> 16, p1) + _fp8_pair_ref(v1, p2) + _fp8_pair_ref(v1 >> 16, p3)
-            + _fp8_pair_ref(v2, p4) + _fp8_pair_ref(v2 >> 16, p5) + _fp8_pair_ref(v3, p6)
-            + _fp8_pair_ref(v3 >> 16, p7))
+    return (_fp8_pair_f32(v0, p0) + _fp8_pair_f32(v0 >> 16, p1) + _fp8_pair_f32(v1, p2) + _fp8_pair_f32(v1 >> 16, p3)
+            + _fp8_pair_f32(v2, p4) + _fp8_pair_f32(v2 >> 16, p5) + _fp8_pair_f32(v3, p6)
+            + _fp8_pair_f32(v3 >> 16, p7))
 
 
 @triton.jit
@@ -258,7 +256,7 @@ def nvfp4_block_dot(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7, PTX: tl.constexpr):
     PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
     if PTX:
         return _nvfp4_block_ptx(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)
-    return _nvfp4_block_ref(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)
+    return _nvfp4_block_f32(v0, v1, p0, p1, p2, p3, p4, p5, p6, p7)
 
 
 @triton.jit
@@ -268,4 +266,4 @@ def fp8_quad_dot(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7, PTX: tl.constex
     against the words). PTX: the paired-fp16 sequence (GPU); else fp32 Triton ops."""
     if PTX:
         return _fp8_quad_ptx(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7)
-    return _fp8_quad_ref(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7)
+    return _fp8_quad_f32(v0, v1, v2, v3, p0, p1, p2, p3, p4, p5, p6, p7)

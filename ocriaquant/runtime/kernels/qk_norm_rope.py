@@ -68,11 +68,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                  k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                 v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 pdl: bool | None = None) -> torch.Tensor:
     """q [B, heads, hd] (head stride free: the q half of q_proj's interleaved q/gate output),
     k, v [B, KV heads · hd] (row stride free: views of a fused qkv output), norm weights [hd],
     cos/sin [B, rot]; caches [slots, KV heads, max_len, hd]; slots, lengths int32 [B].
-    Returns the normed, rotated q [B, heads, hd]; k and v go to the cache at lengths[b]."""
+    Returns the normed, rotated q [B, heads, hd]; k and v go to the cache at lengths[b].
+    pdl: as splitk.use_pdl."""
     bsz, heads, hd = q.shape
     kvh = k_cache.shape[1]
     rot = cos.shape[-1]
@@ -82,28 +84,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit "
                          f"the cache {tuple(k_cache.shape)}")
     q_out = torch.empty(bsz, heads, hd, dtype=q.dtype, device=q.device)
-    pdl = use_pdl(q.device, None)
+    pdl = use_pdl(q.device, pdl)
     _qk_norm_rope_kernel[(bsz, heads + kvh)](
         q, k, v, q_weight, k_weight, cos, sin, q_out, k_cache, v_cache, slots, lengths, q.stride(0), q.stride(1),
         k.stride(0), v.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, hd,
         rot, eps, BD=triton.next_power_of_2(hd), num_warps=WARPS, PDL=pdl, launch_pdl=pdl)
     return q_out
 
-
-def qk_norm_rope_ref(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots, lengths):
-    """The torch ops the torch backend runs (layers.RMSNorm, transformers' apply_rotary_pos_emb,
-    an index_put into the cache); writes the caches like the kernel and returns q."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
-
-    def norm(x, w):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (h * (1.0 + w.float())).type_as(x)
-
-    bsz, heads, hd = q.shape
-    qn = norm(q, q_weight)[:, :, None]                                          # [B, heads, 1, hd]
-    kn = norm(k.reshape(bsz, -1, hd), k_weight)[:, :, None]
-    qr, kr = apply_rotary_pos_emb(qn, kn, cos[:, None], sin[:, None], unsqueeze_dim=1)
-    k_cache[slots.long(), :, lengths.long()] = kr[:, :, 0]
-    v_cache[slots.long(), :, lengths.long()] = v.reshape(bsz, -1, hd)
-    return qr[:, :, 0]

@@ -17,7 +17,6 @@ absmax needs the whole row first, so FP8 walks it twice — the second time from
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -105,17 +104,17 @@ def _silu_mul_nvfp4_kernel(g_ptr, u_ptr, p_ptr, sc_ptr, gs_ptr, I, stride_g, str
 
 def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
                    input_global_scale: torch.Tensor | None = None, block: int = 2048, half: bool = False,
-                   pairs: bool = False):
+                   pairs: bool = False, pdl: bool | None = None):
     """gate, up bf16 [M, I] (row stride free, e.g. halves of a fused gate_up output) ->
     fp8: (E4M3 [M, I], fp32 scale [M, 1]), with half also the codes' fp16 pairs [M, I] (gemv_fp8's
     batch-1 input); nvfp4: (uint8 [M, I/2], E4M3 scales [M, I/16]); bf16: the product [M, I],
     with pairs (h, (int32 [M, I/2], fp32 [M, I/16])), its NVFP4 activation pairs (gemv_nvfp4's
-    batch-1 input, half2.py)."""
+    batch-1 input, half2.py). pdl: as splitk.use_pdl (the nvfp4 form launches without)."""
     m, i = gate.shape
     if up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError(f"silu_mul_quant: gate {tuple(gate.shape)} and up {tuple(up.shape)} must match, rows contiguous")
     block = min(block, triton.next_power_of_2(i))
-    pdl = use_pdl(gate.device, None)
+    pdl = use_pdl(gate.device, pdl)
     if fmt == "fp8":
         q = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=gate.device)
         s = torch.empty(m, 1, dtype=torch.float32, device=gate.device)
@@ -143,17 +142,3 @@ def silu_mul_quant(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
         return p, sc
     raise ValueError(f"silu_mul_quant: unknown format {fmt!r}; fp8, nvfp4 or bf16")
 
-
-def silu_mul_quant_ref(gate: torch.Tensor, up: torch.Tensor, fmt: str = "fp8",
-                       input_global_scale: torch.Tensor | None = None):
-    """The unfused torch sequence with quant/'s (compressed-tensors-exact) numerics."""
-    from ...quant import fp8, nvfp4
-
-    h = F.silu(gate) * up
-    if fmt == "bf16":
-        return h
-    if fmt == "fp8":
-        q, scale = fp8.quantize_activation(h)
-        return q, scale.float()
-    packed, scales, _ = nvfp4.quantize_weight(h, input_global_scale.reshape(1).float(), "activation")
-    return packed, scales

@@ -45,11 +45,12 @@ def _step_inputs_kernel(tok_ptr, slot_ptr, len_ptr, delta_ptr, emb_ptr, cos_tab,
 
 
 def step_inputs(tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
-                embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                pdl: bool | None = None) -> tuple[torch.Tensor, ...]:
     """tokens, slots, lengths, deltas int64 [B] (rows of the step's meta, any stride); embed
     [vocab, D]; cos/sin tables [positions, rot], row p the rotary module at position p. Returns x [B, D], cos, sin [B, rot],
     slots and lengths as int32 [B]. Positions (length + delta) must lie inside the tables: the
-    runtime checks lengths against max_len and M-RoPE deltas at prefill."""
+    runtime checks lengths against max_len and M-RoPE deltas at prefill. pdl: as splitk.use_pdl."""
     bsz, d, (rows, rot) = tokens.shape[0], embed.shape[1], cos_table.shape
     if (embed.stride(1) != 1 or cos_table.stride() != sin_table.stride() or cos_table.stride(1) != 1
             or sin_table.shape != cos_table.shape or any(t.shape != (bsz,) for t in (slots, lengths, deltas))):
@@ -61,18 +62,10 @@ def step_inputs(tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
     sin = torch.empty_like(cos)
     slots32 = torch.empty(bsz, dtype=torch.int32, device=dev)
     lengths32 = torch.empty_like(slots32)
-    pdl = use_pdl(dev, None)
+    pdl = use_pdl(dev, pdl)
     _step_inputs_kernel[(bsz,)](tokens, slots, lengths, deltas, embed, cos_table, sin_table, x, cos, sin, slots32,
                                 lengths32, d, rot, rows, embed.stride(0), cos_table.stride(0),
                                 BD=min(4096, triton.next_power_of_2(d)), BR=triton.next_power_of_2(rot),
                                 num_warps=4, PDL=pdl)
     return x, cos, sin, slots32, lengths32
 
-
-def step_inputs_ref(tokens, slots, lengths, deltas, embed, rotary, dtype) -> tuple[torch.Tensor, ...]:
-    """What the torch backend computes each step: the embedding, the rotary module at
-    (length + delta) in all three sections, int32 copies."""
-    pos = (lengths + deltas)[None].expand(3, -1)
-    cos, sin = rotary(torch.empty(0, dtype=dtype, device=tokens.device), pos[:, None, :])
-    return (torch.nn.functional.embedding(tokens, embed), cos[0], sin[0], slots.to(torch.int32),
-            lengths.to(torch.int32))

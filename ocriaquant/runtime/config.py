@@ -1,0 +1,67 @@
+"""How a runtime is built, chosen once at construction: backend, device, dtype, slots, cache
+length, CUDA graphs, PDL, the GEMV tile table."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import OcriaError
+from .tiles import TileTable
+
+BACKENDS = ("torch", "triton")
+
+
+def pdl_from_env() -> bool:
+    """OCRIAQUANT_PDL=0 turns programmatic dependent launch off, to debug kernels one after
+    another; the package's only environment switch."""
+    return os.environ.get("OCRIAQUANT_PDL", "1") != "0"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """backend: "torch" (the reference path: transformers' ops, CPU or GPU) or "triton" (decode
+    through runtime/kernels/; prefill stays torch). max_slots: sequences held at once;
+    max_len: cache length per slot. cuda_graphs: the triton backend on a GPU replays a graph per
+    batch bucket. pdl: kernels launch with programmatic dependent launch where the GPU has it
+    (Hopper on). tiles: the GEMV tiles; None reads recipes/tiles/h200.json when the triton
+    backend needs it."""
+    backend: str = "torch"
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.bfloat16
+    max_slots: int = 8
+    max_len: int = 2048
+    cuda_graphs: bool = True
+    pdl: bool = field(default_factory=pdl_from_env)
+    tiles: TileTable | None = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise OcriaError(f"unknown runtime backend {self.backend!r}; one of {', '.join(BACKENDS)}")
+        if self.max_slots < 1 or self.max_len < 2:
+            raise OcriaError(f"the runtime needs at least 1 slot and a cache of 2 tokens; got max_slots "
+                             f"{self.max_slots}, max_len {self.max_len}")
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def kernels(self) -> bool:
+        return self.backend == "triton"
+
+    def kernel_settings(self) -> "Kernels | None":
+        """What the triton backend's layers launch with (None: the torch backend). PDL only
+        where the GPU has it: CUDA, compute capability 9 or more."""
+        if not self.kernels:
+            return None
+        dev = self.device
+        pdl = self.pdl and dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+        return Kernels(pdl=pdl, tiles=self.tiles or TileTable.default())
+
+
+@dataclass
+class Kernels:
+    """Handed to every layer of the triton backend (None there: the torch backend), one object
+    shared by all of them."""
+    pdl: bool
+    tiles: TileTable

@@ -1,0 +1,19 @@
+"""The per-step batch metadata every decode layer reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Step:
+    """Built once per decode step (ModelRunner) and shared by every layer."""
+    slots: torch.Tensor          # int64 [B]
+    lengths: torch.Tensor        # int64 [B]: tokens already cached = position of the new token
+    cos: torch.Tensor            # [B, rot] M-RoPE
+    sin: torch.Tensor
+    slots32: torch.Tensor        # int32 copies, what the kernels take
+    lengths32: torch.Tensor
+    span: int = 0                # torch backend only: max(lengths) + 1 (a host sync)

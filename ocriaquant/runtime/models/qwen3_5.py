@@ -1,0 +1,209 @@
+"""The Qwen3.5 text decoder assembled from a tensor store, plus transformers' vision tower in
+BF16: prefill of one request and the per-layer decode forward. The state buffers it reads and
+writes belong to the caller (ModelRunner)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import OcriaError
+from ..config import Kernels
+from ..layers import MLP, Attention, GatedDeltaNet, QuantLinear, RMSNorm, Step
+from ..load import TEXT, read_linear
+
+GDN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class _RopeIndex:
+    """transformers' M-RoPE position builder (Qwen3_5Model.get_rope_index) without the model."""
+
+    def __init__(self, config):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+        self.config = config
+        self._model_cls = Qwen3_5Model
+
+    def __call__(self, input_ids, mm_token_type_ids, image_grid_thw):
+        return self._model_cls.get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self._model_cls.get_vision_position_ids(self, *args, **kwargs)
+
+
+class Qwen3_5(nn.Module):
+    """Every tensor is held in `dtype` (BF16 by default), as transformers holds a model loaded
+    with that dtype — Qwen3.5 keeps no module in fp32 — except the quantized weights' packed
+    forms (and the runner's fp32 GDN state). kernels: the triton backend's settings, None for
+    torch. `label` names the weights in errors (a checkpoint directory)."""
+
+    def __init__(self, config, store, kinds: dict[str, str], dtype: torch.dtype = torch.bfloat16,
+                 kernels: Kernels | None = None, label=None):
+        super().__init__()
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, Qwen3_5VisionModel
+
+        from ...model.route_kernels import route_by_device
+
+        route_by_device()  # the torch path on the CPU calls transformers' GDN functions (layers/gdn.py)
+        label = label or store.model_dir
+        self.config, self.dtype, self.kernels = config, dtype, kernels
+        tc = config.text_config
+
+        def lin(name):
+            return read_linear(store, name, kinds.get(name), dtype, kernels)
+
+        def small(prefix, names):  # norms and GDN parameters, keyed without the prefix
+            return {k[len(prefix):]: v.to(dtype) for k, v in store.require([prefix + n for n in names]).items()}
+
+        layers = []
+        for i, kind in enumerate(tc.layer_types):
+            pre = f"{TEXT}layers.{i}."
+            if kind == "linear_attention":
+                a = pre + "linear_attn."
+                mixer = GatedDeltaNet(tc, small(a, ("conv1d.weight", "A_log", "dt_bias", "norm.weight")),
+                                      {n: lin(a + n) for n in GDN_LINEARS})
+            elif kind == "full_attention":
+                a = pre + "self_attn."
+                mixer = Attention(tc, small(a, ("q_norm.weight", "k_norm.weight")),
+                                  {n: lin(a + n) for n in ATTN_LINEARS})
+            else:
+                raise OcriaError(f"{label}: layer {i} has type {kind!r}; Qwen3.5 has linear_attention and "
+                                 "full_attention layers only")
+            norms = small(pre, ("input_layernorm.weight", "post_attention_layernorm.weight"))
+            layer = nn.Module()
+            layer.mixer = mixer
+            layer.mlp = MLP(*(lin(f"{pre}mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")))
+            layer.input_layernorm = RMSNorm(norms["input_layernorm.weight"], tc.rms_norm_eps)
+            layer.post_attention_layernorm = RMSNorm(norms["post_attention_layernorm.weight"], tc.rms_norm_eps)
+            layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        self.embed = nn.Embedding.from_pretrained(store.require([TEXT + "embed_tokens.weight"])[
+            TEXT + "embed_tokens.weight"].to(dtype), freeze=True)
+        self.norm = RMSNorm(store.require([TEXT + "norm.weight"])[TEXT + "norm.weight"].to(dtype), tc.rms_norm_eps)
+        if "lm_head.weight" in store or "lm_head.weight_packed" in store:
+            self.lm_head = lin("lm_head")
+        else:  # tied embeddings
+            self.lm_head = QuantLinear("bf16", self.embed.weight, dtype=dtype, kernels=kernels)
+        self.rotary = Qwen3_5TextRotaryEmbedding(tc)
+        self.visual = Qwen3_5VisionModel._from_config(config.vision_config, dtype=dtype)
+        vis = {k[len("model.visual."):]: store.get(k) for k in store.where if k.startswith("model.visual.")}
+        missing, _ = self.visual.load_state_dict(vis, strict=False)
+        if missing:
+            raise OcriaError(f"{label}: vision tower tensors missing: {', '.join(sorted(missing)[:5])}")
+        self.rope_index = _RopeIndex(config)
+
+        # With kernels, norms whose Linears all read FP8 or all NVFP4 (W4A16) write their output in the
+        # form those GEMVs read as well (add_rmsnorm's quant), saving a launch or a pass per GEMV.
+        def quant_for(linears):
+            kinds = {q.kind for q in linears}
+            return next(iter(kinds)) if kernels and len(kinds) == 1 and kinds <= {"fp8", "nvfp4"} else None
+
+        self.norm_quant = [(quant_for(layer.mixer.input_linears()), quant_for(layer.mlp.input_linears()))
+                           for layer in self.layers]
+        self.head_quant = quant_for([self.lm_head])
+        self._rope_cos = self._rope_sin = None  # the kernels' rope tables (prepare_kernels)
+
+    def tile_keys(self) -> set[tuple[str, int, int, int]]:
+        """(kind, n, k, batch) of every GEMV tile a decode step with kernels can look up."""
+        keys = {key for layer in self.layers for part in (layer.mixer, layer.mlp) for key in part.tile_keys()}
+        return keys | set(self.lm_head.tile_keys())
+
+    def alloc_state(self, slots: int, max_len: int, device) -> list[dict]:
+        """Per layer: the GDN conv and recurrent state or the attention KV cache, for `slots` slots."""
+        return [layer.mixer.alloc_state(slots, max_len, device, self.dtype) if isinstance(layer.mixer, Attention)
+                else layer.mixer.alloc_state(slots, device, self.dtype) for layer in self.layers]
+
+    @torch.no_grad()
+    def prepare_kernels(self, max_len: int) -> None:
+        """On the model's device, before any CUDA graph: NVFP4 weights in the batch-1 kernel's bit
+        order, and a decode token's cos / sin by position for step_inputs (positions stay below
+        max_len: lengths are checked against it, and Qwen3.5's M-RoPE deltas are never positive,
+        see prefill); at decode the three M-RoPE sections share the position."""
+        for layer in self.layers:
+            if layer.mlp.fused_silu():
+                layer.mlp.gate_up.linear.pack_m1(interleave=True)
+        for m in self.modules():
+            if isinstance(m, QuantLinear) and m.kind.startswith("nvfp4") and m.w_m1 is None:
+                m.pack_m1()
+        device = self.embed.weight.device
+        cos, sin = self.rope(torch.arange(max_len, device=device)[None].expand(3, -1))
+        self._rope_cos, self._rope_sin = cos.contiguous(), sin.contiguous()
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, N] -> cos, sin [N, rot] in the model dtype, as transformers computes them."""
+        dummy = torch.empty(0, dtype=self.dtype, device=positions.device)
+        cos, sin = self.rotary(dummy, positions[:, None, :])
+        return cos[0], sin[0]
+
+    @torch.no_grad()
+    def prefill(self, enc: dict, state: list[dict], slot: int) -> tuple[torch.Tensor, int]:
+        """One processed request (processor output, batch of 1) into `slot` of `state`. Returns
+        the logits of its last position and the M-RoPE delta its decode positions are offset by."""
+        device = self.embed.weight.device
+        ids = enc["input_ids"][0].to(device)
+        x = self.embed(ids)
+        if "pixel_values" in enc:
+            grid = enc["image_grid_thw"].to(device)
+            img = self.visual(enc["pixel_values"].to(device, self.dtype), grid_thw=grid, return_dict=True).pooler_output
+            mask = ids == self.config.image_token_id
+            if int(mask.sum()) != img.shape[0]:
+                raise OcriaError(f"{int(mask.sum())} image tokens but {img.shape[0]} image features")
+            x = x.clone()
+            x[mask] = img.to(x.dtype)
+            pos, delta = self.rope_index(ids[None], enc["mm_token_type_ids"].to(device), grid)
+            pos, delta = pos[:, 0], int(delta.reshape(-1)[0])
+            if delta > 0 and self.kernels:  # image positions take at most one per token: delta <= 0
+                raise OcriaError(f"an M-RoPE delta of {delta} > 0: decode positions would pass the runtime's "
+                                 f"rope tables ({self._rope_cos.shape[0]} positions); this is not a Qwen3.5 "
+                                 "position layout")
+        else:
+            pos, delta = torch.arange(ids.numel(), device=device)[None].expand(3, -1), 0
+        cos, sin = self.rope(pos)
+        for layer, st in zip(self.layers, state):
+            h = layer.input_layernorm(x)
+            if isinstance(layer.mixer, Attention):
+                h = layer.mixer.prefill(h, st, slot, cos, sin)
+            else:
+                h = layer.mixer.prefill(h, st, slot)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.lm_head(self.norm(x[-1:]))[0], delta
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
+               state: list[dict], span: int = 0) -> torch.Tensor:
+        """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all
+        [B] on the device -> logits [B, vocab]. span: the torch path's attention span (Step).
+
+        Each residual add is fused with the norm after it (add_rmsnorm: with kernels also the
+        form the next GEMVs read, and the GEMV's split-K partial sums added up on the way in,
+        kernels/partials.py); the torch path runs the same sequence through the references."""
+        if self.kernels:
+            from ..kernels.add_rmsnorm import add_rmsnorm
+            from ..kernels.step_inputs import step_inputs
+
+            pdl = self.kernels.pdl
+            # one launch for the embedding, cos / sin and the int32 ids
+            x, *meta = step_inputs(tokens, slots, lengths, deltas, self.embed.weight, self._rope_cos, self._rope_sin,
+                                   pdl=pdl)
+
+            def norm(x, h, norm, quant):
+                return add_rmsnorm(x, h, norm.weight, norm.eps, quant, pdl=pdl)
+        else:
+            from ..kernels.reference import add_rmsnorm_ref, step_inputs_ref
+
+            x, *meta = step_inputs_ref(tokens, slots, lengths, deltas, self.embed.weight, self.rotary, self.dtype)
+
+            def norm(x, h, norm, quant):
+                return add_rmsnorm_ref(x, h, norm.weight, norm.eps)
+        step = Step(slots, lengths, *meta, span)
+        partials = self.kernels is not None  # a batch-1 GEMV may hand add_rmsnorm its splits unreduced
+        h = None
+        for layer, st, (mixer_q, mlp_q) in zip(self.layers, state, self.norm_quant):
+            x, n, *n_q = norm(x, h, layer.input_layernorm, mixer_q)
+            h = layer.mixer.decode(n, st, step, *n_q, partials=partials)
+            x, n, *n_q = norm(x, h, layer.post_attention_layernorm, mlp_q)
+            h = layer.mlp(n, *n_q, partials=partials)
+        _, n, *n_q = norm(x, h, self.norm, self.head_quant)
+        return self.lm_head(n, *n_q)

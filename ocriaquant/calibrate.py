@@ -52,8 +52,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from safetensors.torch import load_file
 
 from .artifacts import DEFAULT_CALIBRATION, calibration_fingerprint, stored_fingerprint, write_calibration
-# Re-exported: benchmarks/ and tests/test_runtime.py import them from here.
-from .artifacts import input_absmax, load_calibration, model_fingerprint, page_hash  # noqa: F401
 from .data import BUNDLED_PAGES, Page, load_pages, select_split
 from .errors import OcriaError
 from .files import write_json_atomic, write_safetensors_atomic

@@ -102,7 +102,7 @@ def test_prefill_logits_equal_transformers(tiny_model_dir, synth_pages):
 @pytest.fixture(scope="module")
 def mixed_checkpoint(tmp_path_factory):
     """The bundled model exported with a mixed FP8 / NVFP4 plan (h200: weight-only NVFP4)."""
-    from ocriaquant.calibrate import model_fingerprint
+    from ocriaquant.artifacts import model_fingerprint
     from ocriaquant.export import export
     from ocriaquant.model import DEFAULT_MODEL, discover_groups, load_config, meta_model
 
@@ -199,7 +199,7 @@ def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages
     """Decode steps through gdn_decode, the GEMVs and silu_mul_quant give the torch backend's
     logits and GDN state on a mixed FP8 / NVFP4 checkpoint: on the GPU when there is one, else on
     the CPU under Triton's interpreter."""
-    from ocriaquant.calibrate import model_fingerprint
+    from ocriaquant.artifacts import model_fingerprint
     from ocriaquant.export import export
     from ocriaquant.runtime.config import RuntimeConfig
     from ocriaquant.runtime.model_runner import ModelRunner

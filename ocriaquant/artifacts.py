@@ -8,13 +8,17 @@ Calibration artifact, a directory:
   stats.safetensors   per quantizable Linear: act_absmax, act_meansq, fisher, tokens
 
 Plan, one json file: target, group -> format, the calibration and model it was searched on,
-and the predicted and measured numbers that chose it.
+and the predicted and measured numbers that chose it. Its paths are written relative to the
+plan's own folder (the bundled model by name), so a plan moved together with the model and
+calibration it names still finds them; moved alone, `export --model DIR` takes any copy of the
+model, checked by the model fingerprint the plan keeps.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -24,6 +28,7 @@ import torch
 from .errors import OcriaError
 from .files import replace_dir, temp_sibling, write_json_atomic
 from .model.groups import FORMATS, LayerGroup
+from .model.load import DEFAULT_MODEL, resolve_model_dir
 from .quant.simulate import TARGETS
 
 if TYPE_CHECKING:
@@ -175,35 +180,80 @@ class Plan:
     def source(self) -> str:
         return str(self.path) if self.path else "plan"
 
-    def to_json(self) -> dict:
+    def to_json(self, base: str | Path | None = None) -> dict:
+        """The plan as json, its paths relative to the folder `base` (default: the folder of the
+        file it was read from, so it reads back as written; absolute for a plan never saved); the
+        bundled model as `"model": "bundled"`, wherever this install keeps it."""
+        if base is None and self.path is not None:
+            base = Path(self.path).parent
         doc = {"target": self.target, **self.evidence, "groups": self.groups}
-        calib = {k: str(v) for k, v in (("path", self.calibration), ("fingerprint", self.model_fingerprint)) if v}
+        calib = {}
+        if self.calibration:
+            calib["path"] = _portable(self.calibration, base)
+        if self.model_fingerprint:
+            calib["fingerprint"] = str(self.model_fingerprint)
         if calib:
             doc["calibration"] = calib
-        if self.model_dir:
-            doc["model_dir"] = str(self.model_dir)
+        if self.model_dir and _same_dir(self.model_dir, DEFAULT_MODEL):
+            doc["model"] = "bundled"
+        elif self.model_dir:
+            doc["model_dir"] = _portable(self.model_dir, base)
         return doc
 
     @classmethod
     def from_json(cls, doc: dict, path: Path | None = None) -> Plan:
+        """A plan from its json; relative paths are relative to the folder of `path`, the file it
+        was read from."""
         calib = doc.get("calibration") or {}
-        known = ("target", "groups", "calibration", "model_dir")
-        return cls(groups=dict(doc["groups"]), target=doc.get("target", "h200"),
-                   model_dir=Path(doc["model_dir"]) if doc.get("model_dir") else None,
-                   calibration=Path(calib["path"]) if calib.get("path") else None,
-                   model_fingerprint=calib.get("fingerprint"),
+        base = Path(path).parent if path else None
+        model_dir = DEFAULT_MODEL if doc.get("model") == "bundled" else _located(doc.get("model_dir"), base)
+        known = ("target", "groups", "calibration", "model_dir", "model")
+        return cls(groups=dict(doc["groups"]), target=doc.get("target", "h200"), model_dir=model_dir,
+                   calibration=_located(calib.get("path"), base), model_fingerprint=calib.get("fingerprint"),
                    evidence={k: v for k, v in doc.items() if k not in known}, path=path)
 
     def check_model(self, model_dir: Path) -> None:
-        """Refuse a model other than the one the plan was calibrated on."""
+        """Refuse a model other than the one the plan was calibrated on, or one that is not there."""
+        model_dir = Path(model_dir)
+        if self.model_dir is not None and model_dir == self.model_dir and not model_dir.exists():
+            fp = f" (fingerprint {self.model_fingerprint})" if self.model_fingerprint else ""
+            raise OcriaError(f"{self.source}: its model {model_dir} is not here; pass --model DIR with a copy of "
+                             f"the model it was calibrated on{fp}")
+        resolve_model_dir(model_dir)
         if self.model_fingerprint and model_fingerprint(model_dir) != self.model_fingerprint:
             raise OcriaError(f"{model_dir}: does not match the model the plan was calibrated on "
                              f"(fingerprint {self.model_fingerprint}); export the model you calibrated, "
                              "or calibrate again")
 
 
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def _portable(path: Path, base: str | Path | None) -> str:
+    """`path` relative to the folder `base` (lexically, as `_located` undoes it), else absolute."""
+    absolute = os.path.abspath(path)
+    if base is None:
+        return absolute
+    try:
+        return os.path.relpath(absolute, os.path.abspath(base))
+    except ValueError:  # another drive (Windows)
+        return absolute
+
+
+def _located(text: str | None, base: Path | None) -> Path | None:
+    if not text:
+        return None
+    path = Path(text)
+    return Path(os.path.normpath(base / path)) if base is not None and not path.is_absolute() else path
+
+
 def save_plan(path: str | Path, plan: Plan) -> None:
-    write_json_atomic(Path(path), plan.to_json())
+    """Write the plan, its paths relative to its own folder."""
+    write_json_atomic(Path(path), plan.to_json(base=Path(path).parent))
 
 
 def load_plan(path: str | Path) -> Plan:

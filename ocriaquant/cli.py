@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from functools import wraps
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import OcriaError
+from .logs import LOG_NAME
 
 app = typer.Typer(
     name="ocriaquant",
@@ -18,9 +20,17 @@ app = typer.Typer(
          "Every verb runs with no arguments on the bundled reference model and pages.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode="markdown",  # help paragraphs reflow to the terminal's width; examples are code blocks
 )
-console = Console()
-err_console = Console(stderr=True)
+# Lines are never broken by us (the terminal wraps them): a path or a command stays whole when
+# copied or piped. Tables and progress bars still fit the terminal's width.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+DEFAULT_OUT = Path("ocriaquant-out")
+
+Verbose = Annotated[bool, typer.Option(  # every verb takes it; @_verb reads it
+    "--verbose", "-v", help=f"Show the libraries' own messages here (transformers, llmcompressor, their progress "
+                            f"bars); without it they go to {LOG_NAME} beside the outputs.")]
 
 
 def _version(value: bool):
@@ -39,22 +49,80 @@ def _root(
     """Quantize a Qwen3.5 document-parsing VLM for your own pages, and serve it fast."""
 
 
-def _friendly(fn):
-    """Turn OcriaError into a one-line message and exit code 2 instead of a traceback."""
+def _beside(out: str) -> Callable[[dict], Path]:
+    """The log goes in the folder that holds the verb's --out (ocriaquant-out/ by default)."""
+    return lambda a: Path(a[out]).parent if a.get(out) is not None else DEFAULT_OUT
 
-    @wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except OcriaError as e:
-            err_console.print(f"[bold red]error:[/] {e}")
-            raise typer.Exit(2) from None
 
-    return run
+def _pages_option_hint(verb: str) -> Callable[[dict, Path], str]:
+    return lambda a, pages: (f"pages go in --pages (MODEL first, or none for the bundled model):\n"
+                             f"    ocriaquant {verb} --pages {pages}\n    ocriaquant {verb} MODEL --pages {pages}")
+
+
+def _parse_hint(a: dict, pages: Path) -> str:
+    other = a.get("pages")
+    if other is not None and (Path(other) / "config.json").is_file():  # the two arguments swapped
+        return f"the checkpoint comes first, then the pages:\n    ocriaquant parse {other} {pages}"
+    ckpt = DEFAULT_OUT / "checkpoint"
+    if (ckpt / "config.json").is_file():
+        return f"parse takes the checkpoint first, then the pages:\n    ocriaquant parse {ckpt} {pages}"
+    from .model.load import DEFAULT_MODEL
+
+    return (f"parse takes the checkpoint first, then the pages:\n    ocriaquant parse CHECKPOINT {pages}\n"
+            f"CHECKPOINT: one from `ocriaquant export`, or a Qwen3.5 model directory such as the bundled "
+            f"{DEFAULT_MODEL}")
+
+
+def _verb(log_dir: Callable[[dict], Path] = lambda a: DEFAULT_OUT, *, model: str | None = None,
+          weights: bool = True, hint: Callable[[dict, Path], str] | None = None):
+    """Run a verb quietly and turn OcriaError into one line and exit code 2 instead of a traceback.
+
+    Unless --verbose, the libraries' output goes to `log_dir(args)`/ocriaquant.log (logs.quiet).
+    `model` names the argument that holds a model directory: it is checked first (a folder, a
+    Qwen3.5 config.json and, with `weights`, the weights); a folder of pages there is refused
+    with `hint(args, folder)`, the command the user probably meant."""
+
+    def decorate(fn):
+        @wraps(fn)
+        def run(**a):
+            from .logs import quiet
+
+            try:
+                with quiet(log_dir(a) / LOG_NAME, title=fn.__name__.rstrip("_"), verbose=a.get("verbose", False),
+                           consoles=(console, err_console), note=_note, warn=_warn, done=_logged):
+                    if model is not None and a.get(model) is not None:
+                        from .model.load import resolve_model_dir  # torch and friends: imported quietly
+
+                        resolve_model_dir(a[model], weights=weights)
+                    return fn(**a)
+            except OcriaError as e:
+                err_console.print(f"[bold red]error:[/] {escape(str(e))}")
+                from .model.load import PagesNotModel
+
+                if hint is not None and isinstance(e, PagesNotModel):
+                    err_console.print(escape(hint(a, e.path)))
+                raise typer.Exit(2) from None
+
+        return run
+
+    return decorate
+
+
+def _note(text: str) -> None:
+    err_console.print(f"[bold]note:[/] {escape(text)}", highlight=False)
+
+
+def _warn(text: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False)
+
+
+def _logged(log) -> None:
+    err_console.print(f"[dim]the libraries' messages are in {escape(str(log.path))} (--verbose shows them here)[/]",
+                      highlight=False)
 
 
 @app.command()
-@_friendly
+@_verb(model="model", weights=False, hint=_pages_option_hint("info"))
 def info(
     model: Annotated[Optional[Path], typer.Argument(help="Local Qwen3.5 model directory (default: bundled model).")] = None,
     shape: Annotated[Optional[str], typer.Option(help="Describe a named shape instead of a directory: "
@@ -64,24 +132,32 @@ def info(
     by_kind: Annotated[bool, typer.Option("--by-kind", help="One row per group kind instead of per group.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip unreadable pages with a warning.")] = False,
+    verbose: Verbose = False,
 ):
     """Show the layer groups of a model, their sizes per format, and bytes per decode step.
 
-    No weights are read: the model is built on the meta device from its config.json.
+    No weights are read: the model is built on the meta device from its config.json (a folder
+    whose weights are missing is described, with a warning).
 
-    Examples:\n
-      ocriaquant info\n
-      ocriaquant info ~/models/OCRia-1 --by-kind\n
-      ocriaquant info --shape qwen3.5-4b --json
+    Examples:
+
+        ocriaquant info
+        ocriaquant info ~/models/OCRia-1 --by-kind
+        ocriaquant info --shape qwen3.5-4b --json
     """
     from .data import BUNDLED_PAGES
-    from .info import model_info, render_info, render_pages
+    from .info import model_info, render_info, render_pages, weights_warning
 
     result = model_info(model, shape)
+    warning = weights_warning(result)
     if as_json:
         console.print_json(json.dumps(result.to_json()))
+        if warning:
+            _warn(warning)
         return
     render_info(result, console, by_kind=by_kind)
+    if warning:
+        _warn(warning)
     if pages is None and model is None and shape is None and BUNDLED_PAGES.is_dir():
         pages = BUNDLED_PAGES
     if pages is not None:
@@ -89,7 +165,7 @@ def info(
 
 
 @app.command()
-@_friendly
+@_verb(_beside("out"), model="model", hint=_pages_option_hint("calibrate"))
 def calibrate(
     model: Annotated[Optional[Path], typer.Argument(help="Local Qwen3.5 model directory (default: bundled model).")] = None,
     pages: Annotated[Optional[Path], typer.Option(help="Your pages: images, PDFs or an imagefolder "
@@ -101,6 +177,7 @@ def calibrate(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="fp32 (CPU default) or bf16.")] = "fp32",
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip unreadable pages with a warning.")] = False,
+    verbose: Verbose = False,
 ):
     """Measure how much each layer group suffers in FP8 or NVFP4 on your pages.
 
@@ -120,7 +197,7 @@ def calibrate(
 
 
 @app.command()
-@_friendly
+@_verb(_beside("out"))
 def search(
     calib: Annotated[Optional[Path], typer.Argument(help="Calibration artifact (default: ocriaquant-out/calib, "
                                                     "made first if missing).")] = None,
@@ -139,11 +216,15 @@ def search(
     dtype: Annotated[str, typer.Option(help="Compute dtype of the simulation (fp32 on CPU).")] = "fp32",
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (default: 1.25x "
                                                           "the longest reference).")] = None,
+    verbose: Verbose = False,
 ):
     """Choose a format per layer group: the fastest plan within your quality tolerance.
 
     The plan's parsing quality on held-out pages stays within the tolerance (NED increase over
-    BF16, 95% upper bound); the Pareto frontier and the evidence go in a report."""
+    BF16, 95% upper bound); the Pareto frontier and the evidence go in a report. plan.json
+    names the model and calibration relative to its own folder: move them together, or give
+    `ocriaquant export` the model with --model.
+    """
     from .pipeline import default_calibration
     from .search import SearchOptions, run_search
 
@@ -159,12 +240,14 @@ def search(
 
 
 @app.command()
-@_friendly
+@_verb(_beside("out"), model="model",
+       hint=lambda a, pages: f"--model takes the model directory; the pages for oneshot go in --pages {pages}")
 def export(
     plan: Annotated[Path, typer.Argument(help="plan.json from `ocriaquant search`.")] = Path("ocriaquant-out/search/plan.json"),
     out: Annotated[Path, typer.Option(help="Checkpoint directory to create.")] = Path("ocriaquant-out/checkpoint"),
-    model: Annotated[Optional[Path], typer.Option(help="Model directory (default: the one the plan was "
-                                                  "calibrated on; its fingerprint must match).")] = None,
+    model: Annotated[Optional[Path], typer.Option(help="Model directory (default: the one the plan names; "
+                                                  "any copy of the model the plan was calibrated on, checked "
+                                                  "by its fingerprint).")] = None,
     pages: Annotated[Optional[Path], typer.Option(help="Pages for llmcompressor's observers (calibration split; "
                                                   "default: bundled calib_data/).")] = None,
     max_pages: Annotated[int, typer.Option(help="Calibration pages fed to oneshot.")] = 16,
@@ -172,6 +255,7 @@ def export(
                                         "checkpoint is complete).")] = False,
     verify_pages: Annotated[int, typer.Option(help="Held-out pages on which the reloaded checkpoint is compared "
                                               "token for token with search's simulation (0: skip).")] = 16,
+    verbose: Verbose = False,
 ):
     """Write the plan as a mixed-precision compressed-tensors checkpoint.
 
@@ -189,7 +273,7 @@ def export(
 
 
 @app.command()
-@_friendly
+@_verb(lambda a: Path(a["out"]), model="model", hint=_pages_option_hint("quantize"))
 def quantize(
     model: Annotated[Optional[Path], typer.Argument(help="Local Qwen3.5 model directory (default: bundled model).")] = None,
     pages: Annotated[Optional[Path], typer.Option(help="Your pages (default: bundled calib_data/): the calibration "
@@ -205,6 +289,7 @@ def quantize(
     verify_pages: Annotated[int, typer.Option(help="Held-out pages for the checkpoint's reload check (0: skip).")] = 16,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT/checkpoint.")] = False,
+    verbose: Verbose = False,
 ):
     """Calibrate, search and export in one go: the fastest checkpoint within your tolerance.
 
@@ -213,9 +298,11 @@ def quantize(
     calibration. If no quantized plan stays within the tolerance, BF16 is kept and nothing is
     exported.
 
-    Examples:\n
-      ocriaquant quantize\n
-      ocriaquant quantize ~/models/OCRia-1 --pages ~/my-pages --target b200 --max-ned-increase 0.02
+    Examples:
+
+        ocriaquant quantize
+        ocriaquant quantize ~/models/OCRia-1 --pages ~/my-pages --target b200
+        ocriaquant quantize --max-ned-increase 0.02 --out ocriaquant-out-2pct
     """
     from .pipeline import QuantizeOptions, quantize as run
     from .search import SearchOptions
@@ -240,7 +327,7 @@ def quantize(
 
 
 @app.command()
-@_friendly
+@_verb(_beside("out"), model="checkpoint", hint=_parse_hint)
 def parse(
     checkpoint: Annotated[Optional[Path], typer.Argument(help="Checkpoint from `ocriaquant export` or a BF16 "
                                                          "Qwen3.5 model directory (default: bundled model).")] = None,
@@ -254,15 +341,17 @@ def parse(
                                          "the CPU under TRITON_INTERPRET=1).")] = "torch",
     tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
                                                   "recipes/tiles/h200.json, swept on an H200).")] = None,
+    verbose: Verbose = False,
 ):
     """Parse pages to markdown with ocriaquant's own runtime.
 
     Unreadable pages are reported in summary.json and skipped; the others complete. Files are
     written atomically; a rerun skips pages already parsed (--redo to parse them again).
 
-    Examples:\n
-      ocriaquant parse ocriaquant-out/checkpoint ~/scans --out parsed/\n
-      ocriaquant parse --device cuda --max-batch 32 ckpt/ pages/
+    Examples:
+
+        ocriaquant parse ocriaquant-out/checkpoint ~/scans --out parsed/
+        ocriaquant parse --device cuda --max-batch 32 ckpt/ pages/
     """
     from .data import BUNDLED_PAGES
     from .parse import parse as run
@@ -286,7 +375,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 @app.command()
-@_friendly
+@_verb(_beside("out"), model="checkpoint",
+       hint=lambda a, pages: "bench times a checkpoint on synthetic pages:  ocriaquant bench CHECKPOINT")
 def bench(
     checkpoint: Annotated[Optional[Path], typer.Argument(help="Checkpoint or BF16 model directory (default: the "
                                                          "bundled model, unless --shape).")] = None,
@@ -309,17 +399,20 @@ def bench(
     tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
                                                   "recipes/tiles/h200.json, swept on an H200).")] = None,
     out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
+    verbose: Verbose = False,
 ):
-    """Measure the runtime: decode tok/s per batch, pages/s and p50/p90 latency per concurrency,
-    the roofline ratio, and transformers `generate` on the same weights, in one run.
+    """Measure the runtime's speed, with transformers beside it, in one run.
 
-    Decode rows start from `--context` cached tokens; the roofline is the bytes one step moves
-    (weights as our kernels read them, GDN state, KV cache) over the copy bandwidth measured
-    in the same run. Pages are synthetic, vision encoder and prefill included.
+    Decode tok/s per batch, pages/s and p50/p90 latency per concurrency, the roofline ratio, and
+    transformers `generate` on the same weights. Decode rows start from `--context` cached
+    tokens; the roofline is the bytes one step moves (weights as our kernels read them, GDN
+    state, KV cache) over the copy bandwidth measured in the same run. Pages are synthetic,
+    vision encoder and prefill included.
 
-    Examples:\n
-      ocriaquant bench --shape qwen3.5-4b --plan mixed\n
-      ocriaquant bench ocriaquant-out/checkpoint --batches 1,8 --concurrency 8
+    Examples:
+
+        ocriaquant bench --shape qwen3.5-4b --plan mixed
+        ocriaquant bench ocriaquant-out/checkpoint --batches 1,8 --concurrency 8
     """
     from .bench import BenchOptions, run, table
     from .files import write_json_atomic
@@ -337,7 +430,7 @@ def bench(
 
 
 @app.command("eval")
-@_friendly
+@_verb(_beside("out"), model="model", hint=_pages_option_hint("eval"))
 def eval_(
     model: Annotated[Optional[Path], typer.Argument(help="Model or checkpoint directory (default: bundled model).")] = None,
     pages: Annotated[Optional[Path], typer.Option(help="Pages with ground truth (default: bundled calib_data/).")] = None,
@@ -349,6 +442,7 @@ def eval_(
     max_pages: Annotated[Optional[int], typer.Option(help="Evaluate only the first N pages.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Write per-page results and the summary as JSON.")] = None,
     skip_bad: Annotated[bool, typer.Option("--skip-bad", help="Skip unreadable pages with a warning.")] = False,
+    verbose: Verbose = False,
 ):
     """Greedy-decode pages and score them against their ground truth.
 

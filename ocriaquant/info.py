@@ -13,6 +13,7 @@ from .data import load_pages, split_pages
 from .errors import OcriaError
 from .model import FORMATS, SHAPES, discover_groups, load_config, meta_model
 from .model.groups import LayerGroup, decode_bytes, decoder_linear_params, layer_types, unassigned_linears
+from .model.load import resolve_model_dir, weights_problem
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ModelInfo:
     layer_types: list[str]
     groups: list[LayerGroup]
     unassigned: list[str]
+    weights_problem: str | None = None  # a model directory whose weights are missing: what is wrong
 
     @property
     def decoder_params(self) -> int:
@@ -32,6 +34,7 @@ class ModelInfo:
     def to_json(self) -> dict:
         return {
             "source": self.source,
+            "weights_problem": self.weights_problem,
             "gdn_layers": self.layer_types.count("linear_attention"),
             "attention_layers": self.layer_types.count("full_attention"),
             "decoder_linear_params": self.decoder_params,
@@ -49,12 +52,14 @@ def model_info(model: str | Path | None = None, shape: str | None = None) -> Mod
         if shape not in SHAPES:
             raise OcriaError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
         config, source = SHAPES[shape](), f"shape {shape}"
+        problem = None  # a named shape has no weights by design
     else:
         config = load_config(model)
         source = str(model) if model else "bundled model"
+        problem = weights_problem(resolve_model_dir(model, weights=False))
     net = meta_model(config)
     groups = discover_groups(net)
-    return ModelInfo(source, layer_types(net), groups, unassigned_linears(net, groups))
+    return ModelInfo(source, layer_types(net), groups, unassigned_linears(net, groups), problem)
 
 
 def _fmt_count(n: float) -> str:
@@ -75,7 +80,8 @@ def render_info(info: ModelInfo, console: Console, by_kind: bool = False) -> Non
     n_gdn = info.layer_types.count("linear_attention")
     n_attn = info.layer_types.count("full_attention")
     console.print(f"[bold]{info.source}[/]: {len(info.layer_types)} decoder layers "
-                  f"({n_gdn} GDN, {n_attn} attention), {len(info.groups)} layer groups")
+                  f"({n_gdn} GDN, {n_attn} attention), {len(info.groups)} layer groups"
+                  + ("; [yellow]its weights are missing[/]" if info.weights_problem else ""))
 
     table = Table(show_lines=False)
     for col in ("group", "members", "params", "BF16", "FP8", "NVFP4", "note"):
@@ -103,6 +109,14 @@ def render_info(info: ModelInfo, console: Console, by_kind: bool = False) -> Non
         console.print(f"  all-{f.upper():<6} {_fmt_bytes(info.step_bytes(f))}")
     if info.unassigned:
         console.print(f"[yellow]Linear modules in no group: {', '.join(info.unassigned)}[/]")
+
+
+def weights_warning(info: ModelInfo) -> str | None:
+    """What `ocriaquant info` says about a model directory whose weights are missing."""
+    if info.weights_problem is None:
+        return None
+    return (f"{info.source}: {info.weights_problem}. This description comes from config.json alone; "
+            "calibrate, search, export, eval, parse and bench need the weights.")
 
 
 def render_pages(pages_dir: Path, console: Console, skip_bad: bool = False) -> None:

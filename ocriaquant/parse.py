@@ -20,10 +20,14 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .data import load_pages
+    from .model.load import resolve_model_dir
     from .runtime.config import RuntimeConfig
     from .runtime.engine import Engine
     from .runtime.tiles import TileTable
 
+    # The checkpoint first, before any page is read: a folder of pages given as the checkpoint
+    # (`ocriaquant parse my_pages/`) is refused at once, weights missing too.
+    resolve_model_dir(checkpoint)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OcriaError(f"{out}: exists and is not a directory")

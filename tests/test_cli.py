@@ -209,3 +209,98 @@ def test_decode_speed_times_with_the_collector_off_and_gives_it_back():
         assert gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def _early_breaks(text: str, width: int) -> list[str]:
+    """Line pairs of a help's prose (before its first panel; code blocks, indented by two or more,
+    left out) where a line ends although the next word would have fitted: a break mid-sentence."""
+    lines = text.split("╭")[0].splitlines()
+    return [f"{a.strip()!r} / {b.strip()!r}" for a, b in zip(lines, lines[1:])
+            if a.strip() and b.strip() and not a.startswith("  ") and not b.startswith("  ") and "Usage:" not in a
+            and len(a.rstrip()) + 1 + len(b.split()[0]) < width]
+
+
+def test_every_help_reflows_at_80_columns_and_offers_verbose():
+    """`ocriaquant VERB --help` at 80 columns: paragraphs break only where the next word does not
+    fit (the docstrings' own line breaks used to show: 'CER, exact' / 'match'), examples stay whole
+    lines, and every verb has --verbose."""
+    names = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert len(names) == 8
+    for name in [None] + names:
+        res = runner.invoke(app, [name, "--help"] if name else ["--help"], env={"COLUMNS": "80"})
+        assert res.exit_code == 0, res.output
+        assert max(len(line) for line in res.output.splitlines()) <= 80
+        assert not _early_breaks(res.output, 80), (name, _early_breaks(res.output, 80))
+        if name:
+            assert "--verbose" in res.output, name
+    res = runner.invoke(app, ["quantize", "--help"], env={"COLUMNS": "80"})
+    example = "ocriaquant quantize ~/models/OCRia-1 --pages ~/my-pages --target b200"
+    assert example in [line.strip() for line in res.output.splitlines()]
+
+
+def test_a_config_without_weights_is_described_with_a_warning_and_refused_where_weights_are_needed(
+        tiny_model_dir, tmp_path):
+    import shutil
+
+    cfg = tmp_path / "config-only"
+    cfg.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", cfg)
+    res = runner.invoke(app, ["info", str(cfg)], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "its weights are missing" in res.output
+    assert f"warning: {cfg}: no weights (config.json, but no *.safetensors files)" in res.output
+    res = runner.invoke(app, ["info", str(cfg), "--json"])
+    assert "no weights" in json.loads(res.stdout)["weights_problem"]
+    assert json.loads(runner.invoke(app, ["info", "--json"]).stdout)["weights_problem"] is None
+    for verb in (["calibrate", str(cfg), "--out", str(tmp_path / "calib")], ["eval", str(cfg)],
+                 ["parse", str(cfg), "--out", str(tmp_path / "parsed")], ["quantize", str(cfg), "--out", str(tmp_path)],
+                 ["bench", str(cfg), "--device", "cpu", "--backend", "torch"]):
+        res = runner.invoke(app, verb)
+        assert res.exit_code == 2, (verb, res.output)
+        assert f"error: {cfg}: no weights" in res.output and "Traceback" not in res.output, verb
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config-only"]  # refused before any work
+
+
+def test_a_folder_of_pages_given_as_the_model_gets_the_right_command(tiny_model_dir, synth_pages):
+    """`ocriaquant parse my_pages/`, as people type it: the folder is recognised as pages, and the
+    command they meant is printed; likewise for verbs whose pages go in --pages."""
+    res = runner.invoke(app, ["parse", str(synth_pages)])
+    assert res.exit_code == 2
+    assert f"error: {synth_pages}: a folder of 6 pages, not a model directory" in res.output
+    assert f"    ocriaquant parse CHECKPOINT {synth_pages}\n" in res.output
+    res = runner.invoke(app, ["parse", str(synth_pages), str(tiny_model_dir)])
+    assert res.exit_code == 2 and f"    ocriaquant parse {tiny_model_dir} {synth_pages}\n" in res.output
+    for verb in ("info", "calibrate", "eval", "quantize"):
+        res = runner.invoke(app, [verb, str(synth_pages)])
+        assert res.exit_code == 2, verb
+        assert f"    ocriaquant {verb} --pages {synth_pages}\n" in res.output, res.output
+
+
+def test_a_plan_names_its_model_relative_to_itself_and_export_refuses_a_missing_or_other_model(
+        tiny_model_dir, tmp_path):
+    """plan.json keeps paths relative to its own folder (the bundled model by name), so it moves
+    with them; moved alone, export names the missing model and asks for --model, whose fingerprint
+    must match, before any work."""
+    from ocriaquant.artifacts import Plan, load_plan, model_fingerprint, save_plan
+    from ocriaquant.model import DEFAULT_MODEL
+
+    plan = Plan(groups={"layers.0.mlp_up": "fp8"}, model_dir=tiny_model_dir, calibration=tmp_path / "calib",
+                model_fingerprint=model_fingerprint(tiny_model_dir))
+    save_plan(tmp_path / "plan.json", plan)
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert not doc["model_dir"].startswith("/") and doc["calibration"]["path"] == "calib"
+    assert load_plan(tmp_path / "plan.json") == plan
+    save_plan(tmp_path / "bundled.json", Plan(groups={}, model_dir=DEFAULT_MODEL))
+    assert json.loads((tmp_path / "bundled.json").read_text())["model"] == "bundled"
+    assert load_plan(tmp_path / "bundled.json").model_dir == DEFAULT_MODEL
+
+    alone = tmp_path / "elsewhere" / "deeper"
+    alone.mkdir(parents=True)
+    (alone / "plan.json").write_text((tmp_path / "plan.json").read_text())  # its relative model path is gone
+    res = runner.invoke(app, ["export", str(alone / "plan.json"), "--out", str(tmp_path / "ckpt")])
+    assert res.exit_code == 2
+    assert "is not here; pass --model DIR" in res.output and plan.model_fingerprint in res.output
+    res = runner.invoke(app, ["export", str(alone / "plan.json"), "--out", str(tmp_path / "ckpt"),
+                              "--model", str(DEFAULT_MODEL)])
+    assert res.exit_code == 2 and "does not match the model the plan was calibrated on" in res.output
+    assert not (tmp_path / "ckpt").exists()

@@ -161,3 +161,39 @@ def test_route_by_device_keeps_cpu_inputs_on_transformers_torch_functions():
     finally:
         for n, fn in before.items():
             setattr(m, n, fn)
+
+
+def test_a_model_directory_needs_its_weights_and_says_which_are_missing(tiny_model_dir, tmp_path):
+    """Every way a model folder lacks its weights is named, with the folder, by the check every
+    weight-reading verb runs first; `load_config` (info) reads the config alone."""
+    import shutil
+
+    from ocriaquant.model.load import PagesNotModel, resolve_model_dir, weights_problem
+
+    assert weights_problem(tiny_model_dir) is None and resolve_model_dir(tiny_model_dir) == tiny_model_dir
+    d = tmp_path / "model"
+    d.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", d)
+    assert load_config(d).model_type == "qwen3_5"
+    with pytest.raises(OcriaError, match=r"model: no weights \(config.json, but no \*.safetensors files\)"):
+        load_model(d)
+    (d / "pytorch_model.bin").write_bytes(b"\0" * 16)
+    assert "only PyTorch pytorch_model.bin" in weights_problem(d)
+    (d / "model-00001-of-00002.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    assert "model-00001-of-00002.safetensors is a Git LFS pointer" in weights_problem(d)
+    assert "git lfs pull" in weights_problem(d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert weights_problem(d).startswith("1 of the 2 weight files model.safetensors.index.json lists are missing "
+                                         "(model-00002-of-00002.safetensors)")
+    with pytest.raises(OcriaError, match="only `ocriaquant info` works from config.json alone"):
+        resolve_model_dir(d)
+    assert resolve_model_dir(d, weights=False) == d
+
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    make_page(1).image.save(pages / "scan.png")
+    with pytest.raises(PagesNotModel, match="pages: a folder of 1 page, not a model directory") as e:
+        load_model(pages)
+    assert e.value.path == pages and e.value.pages == 1

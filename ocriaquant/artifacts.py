@@ -3,7 +3,8 @@ that tie both to a model and pages. Verbs read and write them through this modul
 through each other (calibrate writes what search reads; search writes what export reads).
 
 Calibration artifact, a directory:
-  meta.json           fingerprint (model files, pages, settings), model and page folders, groups
+  meta.json           fingerprint (model files, pages, settings), model and page folders (relative to
+                      the artifact's folder, the bundled ones by name), groups
   sensitivity.json    {target: {group: {format: expected KL increase, nats per target token}}}
   stats.safetensors   per quantizable Linear: act_absmax, act_meansq, fisher, tokens
 
@@ -11,7 +12,8 @@ Plan, one json file: target, group -> format, the calibration and model it was s
 and the predicted and measured numbers that chose it. Its paths are written relative to the
 plan's own folder (the bundled model by name), so a plan moved together with the model and
 calibration it names still finds them; moved alone, `export --model DIR` takes any copy of the
-model, checked by the model fingerprint the plan keeps.
+model, checked by the model fingerprint the plan keeps. A calibration artifact keeps its model
+and page folders the same way, relative to itself (`_folder_entry` / `_folder_from` for both).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
+from .data import BUNDLED_PAGES
 from .errors import OcriaError
 from .files import replace_dir, temp_sibling, write_json_atomic
 from .model.groups import FORMATS, LayerGroup
@@ -39,6 +42,9 @@ DEFAULT_SEARCH = Path("ocriaquant-out") / "search"
 
 CALIBRATION_VERSION = 1  # bump when the artifact's contents change meaning: older ones are then recomputed
 META, SENSITIVITY, STATS = "meta.json", "sensitivity.json", "stats.safetensors"
+# meta.json's key, and value, saying its folders are relative to the artifact; artifacts written before
+# it kept them as typed (absolute, or relative to the working directory of the run), and still read so.
+RELATIVE_TO = ("relative_to", "artifact")
 
 
 # ---------------------------------------------------------------------------- fingerprints
@@ -77,20 +83,32 @@ def calibration_fingerprint(model_dir: Path, pages: list[Page], settings: dict) 
 
 # ---------------------------------------------------------------------------- calibration artifact
 
-class Calibration(NamedTuple):
+@dataclass(frozen=True, eq=False)
+class Calibration:
     """A loaded calibration artifact; unpacks as (meta, sensitivity, stats)."""
 
     meta: dict
     sensitivity: dict[str, dict[str, dict[str, float]]]
     stats: dict[str, torch.Tensor]
+    path: Path | None = None  # the artifact's folder: its meta's relative folders are relative to it
+
+    def __iter__(self):
+        return iter((self.meta, self.sensitivity, self.stats))
+
+    @property
+    def _base(self) -> Path | None:
+        """The folder the meta's relative paths start from: None (the working directory) for an
+        artifact written before they were relative to it."""
+        key, value = RELATIVE_TO
+        return self.path if self.path is not None and self.meta.get(key) == value else None
 
     @property
     def model_dir(self) -> Path:
-        return Path(self.meta["model_dir"])
+        return _folder_from(self.meta, self._base, bundled=DEFAULT_MODEL, key="model_dir", by_name="model")
 
     @property
     def pages_dir(self) -> Path:
-        return Path(self.meta["pages_dir"])
+        return _folder_from(self.meta, self._base, bundled=BUNDLED_PAGES, key="pages_dir", by_name="page_set")
 
     @property
     def model_fingerprint(self) -> str:
@@ -116,11 +134,17 @@ def stored_fingerprint(path: str | Path) -> dict | None:
         return None
 
 
-def write_calibration(out: str | Path, meta: dict, sensitivity: dict, stats: dict[str, torch.Tensor]) -> None:
-    """Write the artifact to a temporary sibling and rename it into place (replacing an older one)."""
+def write_calibration(out: str | Path, meta: dict, sensitivity: dict, stats: dict[str, torch.Tensor], *,
+                      model_dir: str | Path, pages_dir: str | Path) -> None:
+    """Write the artifact to a temporary sibling and rename it into place (replacing an older one).
+    `meta` gets the model and page folders, relative to `out` (the bundled ones by name), so the
+    artifact moved or copied together with them still finds them."""
     from safetensors.torch import save_file
 
     out = Path(out)
+    meta = {**meta, RELATIVE_TO[0]: RELATIVE_TO[1],
+            **_folder_entry(model_dir, out, bundled=DEFAULT_MODEL, key="model_dir", by_name="model"),
+            **_folder_entry(pages_dir, out, bundled=BUNDLED_PAGES, key="pages_dir", by_name="page_set")}
     tmp = temp_sibling(out)
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in stats.items()}, str(tmp / STATS))
@@ -145,14 +169,19 @@ def load_calibration(path: str | Path) -> Calibration:
     except json.JSONDecodeError as e:
         raise OcriaError(f"{path}: unreadable calibration artifact ({e}); run `ocriaquant calibrate` again") from e
     if not (isinstance(meta, dict) and "model" in (meta.get("fingerprint") or {})
-            and {"model_dir", "pages_dir"} <= meta.keys() and isinstance(sens, dict) and set(TARGETS) <= sens.keys()):
+            and ("model_dir" in meta or meta.get("model") == "bundled")
+            and ("pages_dir" in meta or meta.get("page_set") == "bundled")
+            and isinstance(sens, dict) and set(TARGETS) <= sens.keys()):
         raise OcriaError(f"{path}: calibration artifact lacks the model fingerprint, its folders or a target's "
                          "sensitivities; run `ocriaquant calibrate` again")
-    return Calibration(meta, sens, load_file(str(path / STATS)))
+    return Calibration(meta, sens, load_file(str(path / STATS)), path)
 
 
 def calibrated_model(calib: Calibration, path: str | Path) -> Path:
     """The model directory `calib` was made from, checked unchanged since."""
+    if not calib.model_dir.is_dir():
+        raise OcriaError(f"{path}: its model {calib.model_dir} is not there; keep the model where it was relative "
+                         "to the artifact (move or copy them together), or calibrate again")
     if model_fingerprint(calib.model_dir) != calib.model_fingerprint:
         raise OcriaError(f"{calib.model_dir}: the model changed since {path} was calibrated; calibrate again")
     return calib.model_dir
@@ -194,10 +223,7 @@ class Plan:
             calib["fingerprint"] = str(self.model_fingerprint)
         if calib:
             doc["calibration"] = calib
-        if self.model_dir and _same_dir(self.model_dir, DEFAULT_MODEL):
-            doc["model"] = "bundled"
-        elif self.model_dir:
-            doc["model_dir"] = _portable(self.model_dir, base)
+        doc.update(_folder_entry(self.model_dir, base, bundled=DEFAULT_MODEL, key="model_dir", by_name="model"))
         return doc
 
     @classmethod
@@ -206,7 +232,7 @@ class Plan:
         was read from."""
         calib = doc.get("calibration") or {}
         base = Path(path).parent if path else None
-        model_dir = DEFAULT_MODEL if doc.get("model") == "bundled" else _located(doc.get("model_dir"), base)
+        model_dir = _folder_from(doc, base, bundled=DEFAULT_MODEL, key="model_dir", by_name="model")
         known = ("target", "groups", "calibration", "model_dir", "model")
         return cls(groups=dict(doc["groups"]), target=doc.get("target", "h200"), model_dir=model_dir,
                    calibration=_located(calib.get("path"), base), model_fingerprint=calib.get("fingerprint"),
@@ -249,6 +275,21 @@ def _located(text: str | None, base: Path | None) -> Path | None:
         return None
     path = Path(text)
     return Path(os.path.normpath(base / path)) if base is not None and not path.is_absolute() else path
+
+
+def _folder_entry(path: Path | None, base: str | Path | None, *, bundled: Path, key: str, by_name: str) -> dict:
+    """How a json document names a folder: `{by_name: "bundled"}` for the one this install bundles
+    (wherever it keeps it), else `{key: its path relative to the folder base}` (`_portable`)."""
+    if not path:
+        return {}
+    if _same_dir(path, bundled):
+        return {by_name: "bundled"}
+    return {key: _portable(path, base)}
+
+
+def _folder_from(doc: dict, base: Path | None, *, bundled: Path, key: str, by_name: str) -> Path | None:
+    """The folder `_folder_entry` wrote into `doc`, relative paths taken from `base`."""
+    return bundled if doc.get(by_name) == "bundled" else _located(doc.get(key), base)
 
 
 def save_plan(path: str | Path, plan: Plan) -> None:

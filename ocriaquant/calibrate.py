@@ -30,8 +30,9 @@ W4A16 0.82, W4A4 0.76) for the model as bundled now (held-out NED 0.0015; 0.901 
 earlier, less trained state). The damage it ranks is now tiny (KL ~1e-8–1e-6 per token), and
 FP8's damages are the closest together, so its within-FP8 ranking is the noisiest.
 
-The artifact is a directory: meta.json (fingerprint of model files, pages and settings),
-stats.safetensors, sensitivity.json (its layout, reading and writing: artifacts.py). It is
+The artifact is a directory: meta.json (fingerprint of model files, pages and settings; the model
+and page folders relative to the artifact, so it moves together with them), stats.safetensors,
+sensitivity.json (its layout, reading and writing: artifacts.py). It is
 written to a temporary directory and renamed into place; a rerun with the same fingerprint
 does nothing; an interrupted run leaves OUT.partial/ (accumulators after each batch) and a
 rerun continues from it.
@@ -242,7 +243,9 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
     batches_run = 0
     try:
         with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),
-                      TimeElapsedColumn(), console=console, transient=True) as bar:
+                      TimeElapsedColumn(), console=console, transient=True,
+                      # what the libraries print goes where logs.quiet sends it, not above the bar
+                      redirect_stdout=False, redirect_stderr=False) as bar:
             task = bar.add_task("pages", total=len(chosen), completed=done)
             for start in range(done, len(chosen), opts.batch_size):
                 if stop_after_batches is not None and batches_run >= stop_after_batches:
@@ -293,9 +296,8 @@ def _write_artifact(out: Path, acc, groups, fingerprint, model_dir: Path, pages_
             stats[m + ".act_meansq"] = (acc[m + ".sqsum"] / max(cnt, 1.0)).float()
             stats[m + ".fisher"] = (acc[m + ".fisher"] / max(cnt, 1.0)).float()
             stats[m + ".tokens"] = torch.tensor([cnt])
-    meta = {"fingerprint": fingerprint, "model_dir": str(model_dir), "pages_dir": str(pages_dir),
-            "pages": n_pages, "target_tokens": float(acc["_target_tokens"]),
+    meta = {"fingerprint": fingerprint, "pages": n_pages, "target_tokens": float(acc["_target_tokens"]),
             "estimator": "fisher-weighted output error (see ocriaquant/calibrate.py)",
             "groups": [{"name": g.name, "kind": g.kind, "members": g.members, "always_bf16": g.always_bf16}
                        for g in groups]}
-    write_calibration(out, meta, sensitivities(acc, groups), stats)
+    write_calibration(out, meta, sensitivities(acc, groups), stats, model_dir=model_dir, pages_dir=pages_dir)

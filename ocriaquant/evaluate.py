@@ -68,7 +68,9 @@ def evaluate(model: str | Path | None = None, pages: str | Path | None = None, o
         raise OcriaError(f"{pages_dir}: no {opts.split} pages with ground truth (NAME.md / NAME.txt beside the image)")
     net, proc = load_model(model, dtype=opts.dtype, device=opts.device)
     with Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True,
+                  # what the libraries print goes where logs.quiet sends it, not above the bar
+                  redirect_stdout=False, redirect_stderr=False) as bar:
         task = bar.add_task("pages", total=len(chosen))
         preds = greedy_decode(net, proc, chosen, batch_size=opts.batch_size, max_new_tokens=opts.max_new_tokens,
                               on_batch=lambda n: bar.advance(task, n))

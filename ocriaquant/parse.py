@@ -41,7 +41,7 @@ def parse(checkpoint, pages, out, device: str = "cpu", max_new_tokens: int = 102
     tokens = 0
     t1 = time.time()
     with Progress(TextColumn("parsing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True, redirect_stdout=False, redirect_stderr=False) as bar:
         task = bar.add_task("pages", total=len(todo))
         encoded = (engine.encode(p) for p in todo)
         for res in engine.generate(encoded, max_new_tokens=max_new_tokens, max_batch=max_batch):

@@ -109,3 +109,102 @@ def test_incomplete_artifact_names_what_is_missing(tmp_path):
     (tmp_path / "half" / "stats.safetensors").write_bytes(b"")
     with pytest.raises(OcriaError, match="lacks the model fingerprint"):
         load_calibration(tmp_path / "half")
+
+
+def test_artifact_finds_model_and_pages_relative_to_itself_once_moved(tiny_model_dir, synth_pages, tmp_path,
+                                                                     monkeypatch):
+    """meta.json keeps the model and page folders relative to the artifact, not to the working
+    directory of the run: calibrated in one folder with relative paths, then moved (with its model
+    and pages) and read from another, it still finds them, and a rerun still reuses it."""
+    import shutil
+
+    from ocriaquant.artifacts import calibrated_model, model_fingerprint
+    from ocriaquant.data import load_pages
+
+    opts = CalibrateOptions(max_pages=2, batch_size=2, split="all")
+    here = tmp_path / "box" / "work"
+    shutil.copytree(tiny_model_dir, here / "model")
+    shutil.copytree(synth_pages, here / "pages")
+    monkeypatch.chdir(here)
+    calibrate("model", "pages", "out/calib", opts)
+    meta = json.loads((here / "out" / "calib" / "meta.json").read_text())
+    assert meta["model_dir"] == os.path.join("..", "..", "model")
+    assert meta["pages_dir"] == os.path.join("..", "..", "pages")
+
+    there = tmp_path / "other-machine" / "srv"
+    there.parent.mkdir()
+    (tmp_path / "box").rename(there)  # the artifact, its model and pages, moved together
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    calib = load_calibration(there / "work" / "out" / "calib")
+    assert calib.model_dir.resolve() == (there / "work" / "model").resolve()
+    assert calib.pages_dir.resolve() == (there / "work" / "pages").resolve()
+    # What search does with it: the model checked by its fingerprint, the held-out pages read.
+    assert calibrated_model(calib, there / "work" / "out" / "calib") == calib.model_dir
+    assert len(load_pages(calib.pages_dir).pages) == 6
+    meta_, sens, stats = calib  # still unpacks as (meta, sensitivity, stats)
+    assert meta_ is calib.meta and set(sens) == {"h200", "b200"} and stats
+
+    # Same inputs, other paths and working directory: the fingerprint matches, nothing is recomputed.
+    mtime = (there / "work" / "out" / "calib" / "stats.safetensors").stat().st_mtime_ns
+    assert calibrate(there / "work" / "model", there / "work" / "pages", there / "work" / "out" / "calib", opts).reused
+    assert (there / "work" / "out" / "calib" / "stats.safetensors").stat().st_mtime_ns == mtime
+
+    # The artifact copied without its model: the error says what is missing and where.
+    shutil.copytree(there / "work" / "out" / "calib", elsewhere / "calib")
+    with pytest.raises(OcriaError, match="its model .*model is not there"):
+        calibrated_model(load_calibration(elsewhere / "calib"), elsewhere / "calib")
+
+    # An artifact written before: folders as typed (absolute, or relative to the working directory).
+    old = json.loads((elsewhere / "calib" / "meta.json").read_text())
+    del old["relative_to"]
+    old["model_dir"], old["pages_dir"] = str(there / "work" / "model"), os.path.join("..", "other-machine",
+                                                                                      "srv", "work", "pages")
+    (elsewhere / "calib" / "meta.json").write_text(json.dumps(old))
+    calib = load_calibration(elsewhere / "calib")
+    assert calib.model_dir == there / "work" / "model" and calibrated_model(calib, "old") == calib.model_dir
+    assert calib.pages_dir.resolve() == (there / "work" / "pages").resolve()
+    assert model_fingerprint(calib.model_dir) == calib.model_fingerprint
+
+
+def test_bundled_model_and_pages_are_named_not_located(tmp_path):
+    """The bundled model and pages are stored by name, as in a plan: wherever this install keeps them."""
+    from ocriaquant.artifacts import write_calibration
+    from ocriaquant.data import BUNDLED_PAGES
+    from ocriaquant.model import DEFAULT_MODEL
+
+    meta = {"fingerprint": {"model": "x"}, "pages": 0}
+    write_calibration(tmp_path / "calib", meta, {"h200": {}, "b200": {}}, {"w": torch.zeros(1)},
+                      model_dir=DEFAULT_MODEL, pages_dir=BUNDLED_PAGES)
+    doc = json.loads((tmp_path / "calib" / "meta.json").read_text())
+    assert doc["model"] == "bundled" and doc["page_set"] == "bundled"
+    assert "model_dir" not in doc and "pages_dir" not in doc
+    calib = load_calibration(tmp_path / "calib")
+    assert calib.model_dir == DEFAULT_MODEL and calib.pages_dir == BUNDLED_PAGES
+
+
+def test_library_output_inside_the_bar_goes_to_the_log(tiny_model_dir, synth_pages, tmp_path, monkeypatch, capsys):
+    """rich's Progress must not redirect sys.stdout / sys.stderr: on a terminal it would print a
+    library's bar (tqdm) above ours instead of letting logs.quiet send it to the log file."""
+    from rich.console import Console
+
+    import ocriaquant.calibrate as calibrate_module
+    from ocriaquant.logs import LOG_NAME, quiet
+
+    real = calibrate_module.target_logits
+
+    def chatty(*args, **kwargs):
+        print("tqdm-like bar on stdout")
+        print("tqdm-like bar on stderr", file=sys.stderr)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "target_logits", chatty)
+    console = Console(stderr=True, force_terminal=True)
+    with quiet(tmp_path / LOG_NAME, consoles=[console]):
+        calibrate(tiny_model_dir, synth_pages, tmp_path / "calib", CalibrateOptions(max_pages=1, batch_size=1,
+                                                                                   split="all"), console=console)
+    captured = capsys.readouterr()
+    assert "tqdm-like" not in captured.out + captured.err
+    log = (tmp_path / LOG_NAME).read_text()
+    assert "tqdm-like bar on stdout" in log and "tqdm-like bar on stderr" in log

@@ -5,11 +5,19 @@ groups and ignores every other Linear by exact name (the vision tower, gdn_ab, B
 FP8 is the FP8_DYNAMIC preset (W8A8). NVFP4 follows the plan's target: `b200` gets the NVFP4
 preset (W4A4, static input global scale), `h200` the NVFP4A16 preset (weight-only), because
 that is what the plan was judged with and what a Hopper GPU runs (vLLM runs NVFP4 weight-only
-on Hopper, and transformers would otherwise emulate W4A4 on reload and disagree with search). llmcompressor ties the NVFP4 global scale of q/k/v and
-gate/up but not of the GDN pair in_proj_qkv + in_proj_z, which vLLM fuses at load and would
-then run with the larger of two scales; `retie_global_scales` gives every fused unit one
-global scale and recomputes its block scales in our (compressed-tensors-exact) numerics
-before the checkpoint is compressed.
+on Hopper, and transformers would otherwise emulate W4A4 on reload and disagree with search).
+A plan that gives the shards of a module vLLM fuses (q/k/v, gate/up, in_proj_qkv + in_proj_z,
+in_proj_a + in_proj_b) different schemes is refused, naming the module.
+
+After `oneshot`, before the checkpoint is compressed:
+- the parameters of every module that is neither a Linear nor an Embedding (norms, conv1d,
+  A_log, dt_bias, ...) are put back as they were (`restore_small_tensors`: oneshot rounds the
+  Qwen3.5 offset-RMSNorm weights through BF16 `1 + w`);
+- llmcompressor ties the NVFP4 global scale of q/k/v and gate/up but not of the GDN pair
+  in_proj_qkv + in_proj_z, which vLLM fuses at load and would then run with the larger of two
+  scales; `retie_global_scales` gives every fused unit one global scale and recomputes its block
+  scales in our (compressed-tensors-exact) numerics.
+So the checkpoint, reloaded, computes bit for bit what search simulated (quant/simulate.py).
 """
 
 from __future__ import annotations
@@ -51,10 +59,34 @@ def build_recipe(plan: dict[str, str], groups: list[LayerGroup], target: str, so
     quantized = set(members["fp8"]) | set(members["nvfp4"])
     if not quantized:
         raise OcriaError(f"{source} quantizes no group: an all-BF16 plan needs no export")
+    scheme = {m: fmt for fmt, names in members.items() for m in names}
+    check_fused_schemes({m: scheme.get(m, "bf16") for g in groups for m in g.members}, source)
     preset = {"fp8": "FP8_DYNAMIC", "nvfp4": NVFP4_PRESET[target]}
     config_groups = {fmt: preset_name_to_scheme(preset[fmt], names) for fmt, names in members.items() if names}
     ignore = [m for g in groups for m in g.members if m not in quantized]
     return QuantizationModifier(config_groups=config_groups, ignore=ignore)
+
+
+# The shards vLLM fuses into one weight at load (its packed_modules_mapping for Qwen3.5): every
+# shard of one fused module must carry the same quantization scheme, or vLLM refuses the checkpoint.
+VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+              "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_a", "in_proj_b")}
+
+
+def check_fused_schemes(schemes: dict[str, str], source: str | Path = "plan") -> None:
+    """Refuse a module -> scheme assignment (bf16 / fp8 / nvfp4; every Linear of the model) that
+    gives the shards of a module vLLM fuses different schemes, naming the fused module and its shards."""
+    shard_of = {s: fused for fused, shards in VLLM_FUSED.items() for s in shards}
+    units: dict[str, dict[str, str]] = {}
+    for name, fmt in schemes.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf in shard_of:
+            units.setdefault(f"{parent}.{shard_of[leaf]}" if parent else shard_of[leaf], {})[name] = fmt
+    for fused, shards in sorted(units.items()):
+        if len(set(shards.values())) > 1:
+            parts = ", ".join(f"{n.rpartition('.')[2]} {f}" for n, f in shards.items())
+            raise OcriaError(f"{source} splits {fused} across schemes ({parts}): vLLM fuses these shards into one "
+                             "weight and needs one scheme for all of them; give them one format")
 
 
 @torch.no_grad()
@@ -78,6 +110,40 @@ def retie_global_scales(model, plan: dict[str, str], groups: list[LayerGroup]) -
                                         shared.to(w.device))
             m.weight_scale.data.copy_(blocks.to(m.weight_scale.dtype).reshape(m.weight_scale.shape))
             m.weight_global_scale.data.copy_(shared.to(m.weight_global_scale.dtype).reshape(m.weight_global_scale.shape))
+    return changed
+
+
+def snapshot_small_tensors(model) -> dict[str, torch.Tensor]:
+    """Copies of the parameters of every module that is neither a Linear nor an Embedding (norms,
+    conv1d, A_log, dt_bias, the vision tower's patch conv and LayerNorms): small, and nothing
+    llmcompressor should change. Taken before `oneshot`, put back by `restore_small_tensors`."""
+    from torch import nn
+
+    return {f"{m}.{n}" if m else n: p.detach().clone()
+            for m, mod in model.named_modules() if not isinstance(mod, (nn.Linear, nn.Embedding))
+            for n, p in mod.named_parameters(recurse=False)}
+
+
+@torch.no_grad()
+def restore_small_tensors(model, snapshot: dict[str, torch.Tensor]) -> int:
+    """Put back what `oneshot` changed among `snapshot`'s tensors; returns how many it had changed.
+
+    llmcompressor's oneshot runs calibration inside `norm_calibration_context`, which turns every
+    Qwen3.5 offset RMSNorm (`x * (1 + w)`) into a plain one holding `1 + w` in BF16 and on exit
+    writes back `(1 + w) - 1`: w loses its low bits to the BF16 grid near 1 (steps of 2^-7), so
+    the checkpoint's input/post-attention/q/k/final norms were not the model's, and its reload no
+    longer computed what search simulated (issue #58, page-0003). The norms are not quantized:
+    they must leave export exactly as they came in."""
+    changed = 0
+    for name, saved in snapshot.items():
+        p = model.get_parameter(name)
+        if p.dtype == saved.dtype and p.shape == saved.shape:
+            if torch.equal(p, saved.to(p.device)):
+                continue
+            p.data.copy_(saved)
+        else:
+            p.data = saved.to(p.device)
+        changed += 1
     return changed
 
 
@@ -250,8 +316,11 @@ def export(plan_path, out, model=None, pages=None, options: ExportOptions | None
     tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
+        small = snapshot_small_tensors(net)
         oneshot(model=net, recipe=recipe, dataset=calibration_dataset(proc, calib_pages), data_collator=collate_one,
                 num_calibration_samples=len(calib_pages), sequential_targets=["Qwen3_5DecoderLayer"], processor=proc)
+        restored = restore_small_tensors(net, small)
+        del small
         retied = retie_global_scales(net, plan.groups, groups)
         in_scales = set_input_global_scales(net, plan.groups, groups, absmax) if absmax and target == "b200" else 0
         net.save_pretrained(tmp, save_compressed=True)
@@ -260,7 +329,8 @@ def export(plan_path, out, model=None, pages=None, options: ExportOptions | None
         save_processor(proc, tmp)
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json", exclude_none=True)))
         meta = {"plan": plan.to_json(), "target": target, "calibration_fingerprint": plan.model_fingerprint,
-                "retied_fused_units": retied, "input_global_scales_from_calibration": in_scales,
+                "retied_fused_units": retied, "restored_tensors": restored,
+                "input_global_scales_from_calibration": in_scales,
                 "carried_tensors": carried, "calibration_pages": [p.name for p in calib_pages],
                 "export_seconds": round(time.time() - t0, 1), "versions": _versions()}
         if opts.verify_pages:

@@ -185,3 +185,112 @@ def test_export_carries_mtp_and_reloads_token_identical_to_the_simulation(tiny_m
     model, _ = load_model(out)
     scheme = model.get_submodule("model.language_model.layers.0.mlp.gate_proj").quantization_scheme
     assert scheme.weights.num_bits == 4 and scheme.input_activations is None  # h200: weight-only
+
+
+# The bundled model, its real trained weights, exported with a mixed plan: fused GDN / q,k,v / gate,up
+# units in NVFP4 and in FP8, and the tied lm_head in FP8 (as the README's main job chooses it).
+NANO_PLAN = {"layers.0.gdn_in": "fp8", "layers.0.mlp_up": "nvfp4", "layers.0.mlp_down": "fp8",
+             "layers.1.gdn_in": "nvfp4", "layers.1.gdn_out": "fp8", "layers.3.attn_qkv": "fp8",
+             "layers.3.attn_o": "nvfp4", "layers.5.gdn_out": "nvfp4", "layers.7.attn_qkv": "nvfp4",
+             "layers.7.mlp_up": "fp8", "layers.7.mlp_down": "nvfp4", "lm_head": "fp8"}
+
+
+def _nano_plan(folder):
+    from ocriaquant.model import DEFAULT_MODEL
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_plan(folder / "plan.json", Plan(groups=NANO_PLAN, target="h200", model_dir=DEFAULT_MODEL,
+                                         model_fingerprint=model_fingerprint(DEFAULT_MODEL)))
+    return folder / "plan.json"
+
+
+@pytest.fixture(scope="module")
+def nano_export(tmp_path_factory):
+    from ocriaquant.data import BUNDLED_PAGES
+    from ocriaquant.export import export
+
+    root = tmp_path_factory.mktemp("nano-export")
+    plan = _nano_plan(root / "a")
+    return plan, export(plan, root / "a" / "ckpt", pages=BUNDLED_PAGES, max_pages=2, verify_pages=0)
+
+
+def test_export_keeps_unquantized_tensors_and_reloads_bit_exact_with_the_simulation(nano_export):
+    """simulation ≡ export, bit for bit: every tensor the plan does not quantize leaves export as it
+    came in (llmcompressor's oneshot rounds the Qwen3.5 offset-RMSNorm weights through BF16 `1 + w`;
+    issue #58, page-0003 decoded differently), and the reloaded checkpoint's logits on a held-out
+    page equal search's simulation's exactly."""
+    from ocriaquant.data import BUNDLED_PAGES, select_split
+    from ocriaquant.model import DEFAULT_MODEL
+    from ocriaquant.model.processor import chat_text
+    from ocriaquant.quant.simulate import plan_units, simulate
+
+    _, ckpt = nano_export
+    assert json.loads((ckpt / "ocriaquant.json").read_text())["restored_tensors"] > 0  # oneshot did change them
+    q, proc = load_model(ckpt)
+    net, _ = load_model(DEFAULT_MODEL)
+    groups = discover_groups(net)
+    quantized = {m for g in groups if NANO_PLAN.get(g.name, "bf16") != "bf16" for m in g.members}
+    got = dict(q.named_parameters(remove_duplicate=False))
+    kept = {n: p for n, p in net.named_parameters(remove_duplicate=False) if n.rpartition(".")[0] not in quantized}
+    changed = [n for n, p in kept.items() if n not in got or not torch.equal(got[n], p)]
+    assert not changed, f"{len(changed)} unquantized tensors changed by export, e.g. {changed[:3]}"
+
+    page = next(p for p in select_split(load_pages(BUNDLED_PAGES).pages, "heldout") if p.name.startswith("page-0003"))
+    enc = proc(images=[page.image], text=[chat_text(proc, page.prompt) + page.reference[:160]], return_tensors="pt")
+    enc["pixel_values"] = enc["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad():
+        reloaded = q(**enc).logits
+        with simulate(net, plan_units(NANO_PLAN, {g.name: g.members for g in groups}, "h200")):
+            simulated = net(**enc).logits
+    assert torch.equal(reloaded, simulated), (reloaded.float() - simulated.float()).abs().max()
+
+
+def test_two_exports_of_a_plan_are_byte_identical(nano_export, tmp_path):
+    """Same plan, same model, same pages, another folder: the same bytes in every tensor file,
+    config, recipe and plan (only the export's duration may differ)."""
+    from ocriaquant.data import BUNDLED_PAGES
+    from ocriaquant.export import export
+
+    plan_a, a = nano_export
+    plan_b = _nano_plan(tmp_path / "b")
+    b = export(plan_b, tmp_path / "b" / "ckpt", pages=BUNDLED_PAGES, max_pages=2, verify_pages=0)
+    assert plan_a.read_bytes() == plan_b.read_bytes()
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir()) and any(f.endswith(".safetensors") for f in files)
+    for f in files:
+        if f != "ocriaquant.json":
+            assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    meta_a, meta_b = (json.loads((d / "ocriaquant.json").read_text()) for d in (a, b))
+    meta_a.pop("export_seconds"), meta_b.pop("export_seconds")
+    assert meta_a == meta_b
+
+
+def test_export_refuses_a_plan_that_splits_a_module_vllm_fuses(tiny_model_dir):
+    """vLLM loads q/k/v, gate/up, in_proj_qkv + in_proj_z and in_proj_a + in_proj_b as one weight each:
+    their shards need one scheme. Our groups keep them together; a plan over other groups is refused
+    by name."""
+    from ocriaquant.export import check_fused_schemes
+    from ocriaquant.model.groups import LayerGroup
+
+    model, _ = load_model(tiny_model_dir)
+    groups = discover_groups(model)
+    by = {g.name: g for g in groups}
+    qkv, z = by["layers.0.gdn_in"].members
+    split = [g for g in groups if g.name != "layers.0.gdn_in"] + [
+        LayerGroup("layers.0.gdn_qkv", "gdn_out", 0, [qkv]), LayerGroup("layers.0.gdn_z", "gdn_out", 0, [z])]
+    with pytest.raises(OcriaError, match=r"splits model\.language_model\.layers\.0\.linear_attn\.in_proj_qkvz across "
+                                         r"schemes \(in_proj_qkv nvfp4, in_proj_z fp8\)"):
+        build_recipe({"layers.0.gdn_qkv": "nvfp4", "layers.0.gdn_z": "fp8"}, split, "h200")
+    with pytest.raises(OcriaError, match=r"layers\.0\.linear_attn\.in_proj_qkvz.*in_proj_z bf16"):
+        build_recipe({"layers.0.gdn_qkv": "fp8"}, split, "h200")
+    build_recipe({"layers.0.gdn_qkv": "fp8", "layers.0.gdn_z": "fp8"}, split, "h200")  # one scheme: fine
+    attn = by["layers.3.attn_qkv"].members
+    with pytest.raises(OcriaError, match=r"layers\.3\.self_attn\.qkv_proj.*k_proj bf16"):
+        check_fused_schemes({attn[0]: "fp8", attn[1]: "bf16", attn[2]: "fp8"}, "p.json")
+    a, b = by["layers.0.gdn_ab"].members
+    with pytest.raises(OcriaError, match=r"p\.json splits .*in_proj_ba"):
+        check_fused_schemes({a: "bf16", b: "nvfp4"}, "p.json")
+    up = by["layers.2.mlp_up"].members
+    with pytest.raises(OcriaError, match=r"layers\.2\.mlp\.gate_up_proj"):
+        check_fused_schemes({up[0]: "nvfp4", up[1]: "fp8"})
+    check_fused_schemes({m: "fp8" for m in attn + up})

@@ -216,6 +216,8 @@ def search(
     dtype: Annotated[str, typer.Option(help="Compute dtype of the simulation (fp32 on CPU).")] = "fp32",
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (default: 1.25x "
                                                           "the longest reference).")] = None,
+    peers: Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, "
+                                       "or NAME,NAME (names or YAML files).")] = "all",
     verbose: Verbose = False,
 ):
     """Choose a format per layer group: the fastest plan within your quality tolerance.
@@ -230,7 +232,7 @@ def search(
 
     opts = SearchOptions(target=target, batch=batch, max_ned_increase=max_ned_increase, policy=policy,
                          latency_table=latency_table, eval_pages=eval_pages, candidates=candidates, device=device,
-                         dtype=dtype, max_new_tokens=max_new_tokens)
+                         dtype=dtype, max_new_tokens=max_new_tokens, peers=peers)
     rep = run_search(calib or default_calibration(err_console), pages, out, opts, console=err_console)
     console.print(f"[bold]{rep['chosen']}[/]: {rep['verdict']}")
     for c in rep["candidates"]:
@@ -255,6 +257,9 @@ def export(
                                         "checkpoint is complete).")] = False,
     verify_pages: Annotated[int, typer.Option(help="Held-out pages on which the reloaded checkpoint is compared "
                                               "token for token with search's simulation (0: skip).")] = 16,
+    recipe: Annotated[Optional[str], typer.Option(help="Export a published recipe as it stands instead of PLAN: a name "
+                                                  "from recipes/peers/ (e.g. llmcompressor-nvfp4) or a YAML file.")] = None,
+    target: Annotated[str, typer.Option(help="With --recipe: h200 (NVFP4 weight-only) or b200 (NVFP4 W4A4).")] = "h200",
     verbose: Verbose = False,
 ):
     """Write the plan as a mixed-precision compressed-tensors checkpoint.
@@ -267,8 +272,18 @@ def export(
     """
     from .export import ExportOptions, export as run
 
-    path = run(plan, out, model, pages, ExportOptions(max_pages=max_pages, verify_pages=verify_pages, force=force),
-               console=err_console)
+    opts = ExportOptions(max_pages=max_pages, verify_pages=verify_pages, force=force)
+    if recipe:
+        import tempfile
+
+        from .peers import save_recipe_plan
+
+        with tempfile.TemporaryDirectory() as tmp:  # the recipe's plan, for this model
+            plan = Path(tmp) / "plan.json"
+            save_recipe_plan(recipe, plan, model, target)
+            path = run(plan, out, model, pages, opts, console=err_console)
+    else:
+        path = run(plan, out, model, pages, opts, console=err_console)
     console.print(f"wrote {path}")
 
 
@@ -289,6 +304,8 @@ def quantize(
     verify_pages: Annotated[int, typer.Option(help="Held-out pages for the checkpoint's reload check (0: skip).")] = 16,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT/checkpoint.")] = False,
+    peers: Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, "
+                                       "or NAME,NAME (names or YAML files).")] = "all",
     verbose: Verbose = False,
 ):
     """Calibrate, search and export in one go: the fastest checkpoint within your tolerance.
@@ -310,7 +327,7 @@ def quantize(
     # quantize has no --dtype: fp32 on the CPU, bf16 on a GPU, for calibration and search alike.
     search_opts = SearchOptions(target=target, batch=batch, max_ned_increase=max_ned_increase, policy=policy,
                                 latency_table=latency_table, eval_pages=eval_pages, device=device,
-                                dtype="fp32" if device == "cpu" else "bf16")
+                                dtype="fp32" if device == "cpu" else "bf16", peers=peers)
     opts = QuantizeOptions(search=search_opts, calib_pages=calib_pages, verify_pages=verify_pages, force=force)
     res = run(model, pages, out, opts, console=err_console)
     console.print(f"[bold]{res.report['chosen']}[/]: {res.report['verdict']}")
@@ -455,7 +472,7 @@ def eval_(
                        max_pages=max_pages, skip_bad=skip_bad)
     rep = evaluate(model, pages, opts, console=console)
     s = rep.summary()
-    console.print(f"[bold]{rep.model}[/] on {s['pages']} {split} pages of {rep.pages} ({dtype}):")
+    console.print(f"[bold]{rep.model}[/] on {s['pages']} pages ({split} split) of {rep.pages} ({dtype}):")
     console.print(f"  NED {s['ned']:.4f}  95% CI [{s['ned_ci'][0]:.4f}, {s['ned_ci'][1]:.4f}]")
     console.print(f"  CER {s['cer']:.4f}  exact match {s['exact_match']:.1%}")
     console.print(f"  worst page {s['worst_page']}: NED {s['worst_ned']:.4f}")

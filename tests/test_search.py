@@ -1,6 +1,7 @@
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -104,6 +105,40 @@ def test_search_end_to_end_is_deterministic(tiny_model_dir, synth_pages, tmp_pat
     assert rep["frontier_points"] >= 5 and len(rep["candidates"]) >= 5
     md = (tmp_path / "s1" / "report.md").read_text()
     assert "Pareto frontier" in md and "Chosen plan per layer group" in md
+
+    # the peers (default: all four) are evaluated beside ours and never chosen
+    peers = {p["name"]: p for p in rep["peers"]}
+    assert set(peers) == {"llmcompressor-nvfp4", "nvidia-nvfp4-mlp", "qwen-fp8", "community-last-fp8"}
+    assert [c["label"] for c in rep["candidates"] if c["role"] == "peer"] == [p["label"] for p in rep["peers"]]
+    assert not rep["chosen"].startswith("peer ")
+    for p in rep["peers"]:
+        assert p["frontier"]["position"] in ("dominated", "on", "beyond") and len(p["ned_increase"]) == 3
+        assert p["chosen_dominates"] == (p["name"] in rep["peers_dominated_by_chosen"])
+    assert any("mtp" in u for u in peers["llmcompressor-nvfp4"]["unmatched_rules"])
+    assert "## Published recipes beside ours" in md and "How each recipe maps" in md
+    assert f"**{rep['chosen']} dominates {len(rep['peers_dominated_by_chosen'])} of 4 published recipes" in md \
+        or rep["chosen"] == "BF16"
+    # the report agrees with itself (#58): counts of an evaluated frontier point are the same in both tables,
+    # and the verdict does not repeat the chosen label
+    for c in rep["candidates"]:
+        if c["role"] == "ours":
+            row = next(p for p in rep["frontier"] if c["label"] in p.get("evaluated_as", []))
+            assert row["formats"] == c["formats"] and row["predicted_ms"] == pytest.approx(c["predicted_ms"])
+    assert not rep["verdict"].startswith(rep["chosen"])
+    assert f"**Chosen: {rep['chosen']}** — {rep['verdict']}" in md
+
+
+def test_search_without_peers_and_with_an_unknown_peer(tiny_model_dir, synth_pages, tmp_path):
+    from ocriaquant.calibrate import CalibrateOptions, calibrate
+
+    calibrate(tiny_model_dir, synth_pages, tmp_path / "calib", CalibrateOptions(max_pages=None, batch_size=3, split="all"))
+    opts = SearchOptions(eval_pages=2, candidates=1, max_new_tokens=6, max_ned_increase=0.5, peers="none")
+    rep = run_search(tmp_path / "calib", synth_pages, tmp_path / "s", opts)
+    assert rep["peers"] == [] and all(c["role"] != "peer" for c in rep["candidates"])
+    assert "None evaluated (`--peers none`)" in (tmp_path / "s" / "report.md").read_text()
+    with pytest.raises(OcriaError, match="no peer recipe 'gptq'"):
+        run_search(tmp_path / "calib", synth_pages, tmp_path / "s2", replace(opts, peers="qwen-fp8,gptq"))
+    assert not (tmp_path / "s2").exists()
 
 
 def test_search_needs_a_calibration_and_does_not_make_one(tmp_path):

@@ -26,6 +26,10 @@ Each kernel family lives in its own module beside this one, over a shared harnes
 - kernels_gdn.py: gdn_decode against fla-core's fused_recurrent_gated_delta_rule plus the
   transformers glue around it (conv update, split, gates, head repeat, gated RMSNorm),
   B = 1, 32, 64 (`--only gdn`);
+- kernels_gdn_verify.py: speculative decoding's GDN verify + commit (gdn_verify.py, designs "states" and
+  "replay", and "replay" with each commit folded into the next verify) against fla-core's fused_recurrent / chunk gated delta rule plus the glue a serving stack adds
+  (state gathers, conv, masked re-run for the accepted prefix, write-backs), k = 2, 4, 8, 16 (`--ks`) at
+  `--batches`, the tiles swept at k = 4; ours alone where fla-core is not installed (`--only gdn_verify`);
 - kernels_silu.py: silu_mul_quant against the unfused torch sequence, M = 64, 256, and the
   batch-1 NVFP4 gate_up with SiLU in its epilogue against the two launches it replaces
   (`--only silu`).
@@ -61,6 +65,7 @@ import triton
 
 from kernels_floor import bench_floor
 from kernels_gdn import bench_gdn
+from kernels_gdn_verify import bench_gdn_verify
 from kernels_gemv import bench_fp8_tiles, bench_gemv, bench_m1_tiles, runtime_table
 from kernels_harness import FUSED, MEMBERS
 from kernels_silu import bench_gate_up_silu, bench_silu
@@ -77,8 +82,10 @@ def main() -> None:
                     help="the GEMV tile table the rule / runtime figures run at (default: the runtime's, "
                          "recipes/tiles/h200.json)")
     ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--ks", default="2,4,8,16", help="gdn_verify: draft lengths k (k + 1 tokens a row)")
     ap.add_argument("--only", default="gemv,silu,gdn",
                     help="comma-separated: gemv (kernels against baselines, tiles swept), silu, gdn, "
+                         "gdn_verify (speculative verify + commit against fla-core + glue), "
                          "table (the latency table of what the runtime launches, written to --table), "
                          "floor (the fastest read of each shape's bytes beside the runtime's GEMVs), "
                          "fp8 (FP8 GEMV tiles at each batch, the tensor-core form's swept above batch 1), "
@@ -116,6 +123,8 @@ def main() -> None:
         result["gate_up_silu_m1"] = bench_gate_up_silu(bw, log, tiles)
     if "gdn" in only:
         result["gdn_decode"] = bench_gdn(bw, log)
+    if "gdn_verify" in only:
+        result["gdn_verify"] = bench_gdn_verify(bw, log, ms, [int(v) for v in args.ks.split(",")])
     if "gemv" in only:
         result["gemv"] = bench_gemv({**FUSED, **MEMBERS} if args.shapes == "all" else FUSED, ms, bw, log, tiles)
     if "fp8" in only:

@@ -19,7 +19,6 @@ head) — DESIGN.md's Qwen3.5-4B reference —, or `fp8` / `nvfp4` (every decode
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -30,11 +29,14 @@ from typing import Callable
 import torch
 
 from .errors import OcriaError
+from .runtime.engine import PREFILL_BUDGET
+from .runtime.measure import decode_speed, page_speed, pages_at_slo  # benchmarks/ import them from here too
 
 # Named plans for --shape: bf16; mixed (NVFP4 MLPs, FP8 GDN and attention); fp8 and nvfp4 (every
 # decoder Linear in that format). The lm_head and the vision encoder stay BF16 in all of them.
 # fp8 / nvfp4 time the kernels mixed does not run inside a step (FP8 MLPs, NVFP4 mixers).
 PLANS = ("bf16", "mixed", "fp8", "nvfp4")
+SLO_MAX_CONCURRENCY = 64  # the largest CUDA-graph bucket: the SLO search goes no higher
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -139,40 +141,6 @@ def step_bytes(rt, batch: int, context: int) -> dict[str, float]:
     return {"weights": weights, "state": batch * state, "kv": batch * kv, "total": weights + batch * (state + kv)}
 
 
-def decode_speed(rt, batch: int, context: int, steps: int, vocab: int) -> float:
-    """Seconds per decode step at `batch` rows, host loop included, run as the engine runs it:
-    each step launched chained to the last (greedy_step) before the last one's tokens are read.
-
-    The first call captures the step's CUDA graph, and its warm-up compiles the step's kernels:
-    the objects compiling leaves behind can make Python's collector pause the host loop inside
-    the few tens of timed steps (~1.6 ms each at batch 1), which the GPU then waits out. So, as
-    `timeit` does, the garbage is collected before timing and the collector stays off while it
-    runs: what is timed is the steady step a serving loop sees, not a one-off pause."""
-    g = torch.Generator().manual_seed(batch)
-    tokens = torch.randint(0, vocab, (batch,), generator=g).tolist()
-    slots, lengths, deltas = list(range(batch)), [context] * batch, [0] * batch
-    pending = rt.greedy_step(tokens, slots, lengths, deltas)
-    collecting = gc.isenabled()
-    try:
-        for i in range(3 + steps):
-            if i == 3:
-                pending.get()
-                if rt.device.type == "cuda":
-                    torch.cuda.synchronize(rt.device)
-                gc.collect()
-                gc.disable()
-                t = time.perf_counter()
-            lengths = [n + 1 for n in lengths]
-            ahead = rt.greedy_step(None, slots, lengths, deltas)
-            pending.get()  # the last step's tokens back on the host, as the engine reads them
-            pending = ahead
-        pending.get()
-        return (time.perf_counter() - t) / steps
-    finally:
-        if collecting:
-            gc.enable()
-
-
 class _StepClock:
     """A stopping criterion that never stops: generate calls it once per new token, right after
     that token is chosen, so the gaps between its stamps are decode steps, prefill excluded."""
@@ -225,15 +193,73 @@ def synthetic_pages(n: int, megapixels: float) -> tuple[list, int]:
     return [Page(image=imgs[i % len(imgs)], source=Path(f"synthetic-{i:03d}.png")) for i in range(n)], side
 
 
-def page_speed(engine, encs: list[dict], concurrency: int, out_tokens: int) -> dict:
+def prefill_flops(config, enc: dict) -> dict[str, float]:
+    """FLOPs of one request's prefill: the vision tower (patch embedding, its Linears, attention
+    over each image's patches, the merger) and the text decoder (every Linear, causal attention,
+    the gated delta rule's state updates); the head on the last position only."""
+    v, t = config.vision_config, config.text_config
+    flops = {"vision": 0.0, "text": 0.0}
+    if "image_grid_thw" in enc:
+        d, i = v.hidden_size, v.intermediate_size
+        per_image = [int(n) for n in enc["image_grid_thw"].prod(-1)]
+        n = sum(per_image)
+        patch = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        m = v.spatial_merge_size ** 2
+        flops["vision"] = 2 * n * patch * d + v.depth * (2 * n * (4 * d * d + 2 * d * i) + sum(
+            4 * k * k * d for k in per_image)) + 2 * (n // m) * (m * d * m * d + m * d * v.out_hidden_size)
+    T, D = enc["input_ids"].shape[-1], t.hidden_size
+    hk, hv = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
+    gdn = D * (2 * hk + hv) + D * hv + 2 * D * t.linear_num_value_heads + hv * D
+    hd = t.head_dim
+    attn = D * t.num_attention_heads * hd * 2 + 2 * D * t.num_key_value_heads * hd + t.num_attention_heads * hd * D
+    for kind in t.layer_types:
+        if kind == "linear_attention":  # per token and value head: k·v outer product, S·k and q·S
+            flops["text"] += 2 * T * gdn + 6 * T * t.linear_num_value_heads * t.linear_key_head_dim * \
+                t.linear_value_head_dim
+        else:  # causal: half of the T² scores, QK and PV
+            flops["text"] += 2 * T * attn + 2 * T * T * hd * t.num_attention_heads
+        flops["text"] += 2 * T * 3 * D * t.intermediate_size
+    flops["text"] += 2 * D * t.vocab_size
+    return flops
+
+
+def dense_bf16_rate(device: torch.device) -> float:
+    """FLOP/s of a BF16 8192³ matmul: the dense tensor-core rate the prefill roofline divides by."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
     t = time.perf_counter()
-    res = list(engine.generate([(e, out_tokens) for e in encs], max_batch=concurrency, stop_at_eos=False))
-    wall = time.perf_counter() - t
-    lat = sorted(r.seconds for r in res)
-    q = statistics.quantiles(lat, n=10, method="inclusive") if len(lat) > 1 else lat * 9
-    return {"concurrency": concurrency, "pages": len(res), "seconds": round(wall, 2),
-            "pages_per_s": round(len(res) / wall, 3), "p50_s": round(statistics.median(lat), 2),
-            "p90_s": round(q[8], 2), "tok_per_s": round(sum(len(r.tokens) for r in res) / wall, 1)}
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+
+
+def prefill_speed(rt, enc: dict, rate: float, reps: int = 3) -> dict:
+    """One page's prefill, vision tower and text timed apart (best of `reps`, slot 0), against
+    its FLOP roofline: (vision + text FLOPs) ÷ the dense BF16 rate."""
+    from .runtime.layers import Chunk
+
+    def timed(fn):
+        best = float("inf")
+        for _ in range(reps):
+            torch.cuda.synchronize(rt.device)
+            t = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize(rt.device)
+            best = min(best, time.perf_counter() - t)
+        return best, out
+
+    vision_s, prompts = timed(lambda: rt.encode([enc]))
+    text_s, _ = timed(lambda: rt.prefill_chunks([(prompts[0], Chunk(0, 0, prompts[0].length))]))
+    flops = prefill_flops(rt.hf_config, enc)
+    total = flops["vision"] + flops["text"]
+    return {"vision_s": round(vision_s, 4), "text_s": round(text_s, 4), "total_s": round(vision_s + text_s, 4),
+            "vision_tflop": round(flops["vision"] / 1e12, 2), "text_tflop": round(flops["text"] / 1e12, 2),
+            "dense_bf16_tflop_s": round(rate / 1e12, 1), "roofline_s": round(total / rate, 4),
+            "over_roofline": round((vision_s + text_s) / (total / rate), 2)}
 
 
 @dataclass(frozen=True)
@@ -254,6 +280,12 @@ class BenchOptions:
     baseline_tokens: int = 16           # decode steps timed for transformers
     cuda_graphs: bool = True
     tiles: Path | None = None           # GEMV tile table file (None: recipes/tiles/h200.json)
+    slo_p90: float | None = None        # also find the highest concurrency whose p90 holds this (seconds)
+    prefill_budget: int | None = None   # prompt tokens the engine prefills per step (None: the engine's)
+    spec: int = 0                       # speculative decoding (#55): drafts per step from the MTP (a shape's: random)
+    acceptance: Path | None = None      # with spec: the acceptance (JSON, measure.accepted_lengths) tok/s expects
+    draft_head: str = "bf16"            # with spec: the head drafts are scored with (bf16, fp8)
+    draft_vocab: int = 0                # with spec: the draft vocabulary, lowest ids (0: all)
 
 
 def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Callable[[str], None] = print,
@@ -263,6 +295,8 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
     shape, plan, device, backend, context, steps = o.shape, o.plan, o.device, o.backend, o.context, o.steps
     batches, concurrency, pages, out_tokens = list(o.batches), list(o.concurrency), o.pages, o.out_tokens
     baseline, baseline_tokens, cuda_graphs, tiles = o.baseline, o.baseline_tokens, o.cuda_graphs, o.tiles
+    if o.slo_p90 is not None and o.slo_p90 <= 0:
+        raise OcriaError(f"--slo-p90 is a latency in seconds, above 0; got {o.slo_p90}")
     from .runtime.config import RuntimeConfig
     from .runtime.engine import Engine
     from .runtime.model_runner import ModelRunner
@@ -270,6 +304,9 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
 
     if checkpoint is not None and shape is not None:
         raise OcriaError("give a checkpoint or --shape, not both")
+    if o.spec and shape is not None and o.acceptance is None:
+        raise OcriaError("--spec on a named shape: random weights draft nothing the target accepts; give the "
+                         "acceptance to expect with --acceptance FILE (JSON, see `ocriaquant bench --help`)")
     if steps < 1 or (baseline and baseline_tokens < 1):
         raise OcriaError(f"--steps and --baseline-tokens time at least 1 decode step each; got {steps}, "
                          f"{baseline_tokens}")
@@ -284,11 +321,14 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
         log("note: batches above 64 run eagerly (the GEMVs and the graph buckets stop at 64)")
     dev = torch.device(device)
     t0 = time.perf_counter()
-    page_list, side = synthetic_pages(max(pages or 0, max(concurrency) if concurrency else 0, 1), o.megapixels)
+    page_list, side = synthetic_pages(max(pages or 0, max(concurrency) if concurrency else 0, 4 if o.slo_p90 else 1),
+                                      o.megapixels)
     if shape is not None:
         log(f"building {shape} with random weights ({plan}) on {device}")
         hf, store, kinds, config, processor = build_shape(shape, plan, device)
         source, label = (config, store, kinds), f"{shape} {plan} (random weights)"
+        if o.spec:  # speculative decoding: a random MTP layer beside the random model (#55)
+            add_random_mtp(store, config, device)
     else:
         from .model.load import load_model, resolve_model_dir
         from .model.processor import load_processor
@@ -303,10 +343,11 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
 
     prompt_len = encode(page_list[0])["input_ids"].shape[1]
     max_len = max(prompt_len + out_tokens, context + steps + 8) + 8
-    slots = max(batches + concurrency)
+    slots = max(batches + concurrency + ([SLO_MAX_CONCURRENCY] if o.slo_p90 else []))
     log(f"runtime: backend {backend}, {slots} slots, max_len {max_len} (page prompt {prompt_len} tokens)")
     rt = ModelRunner(checkpoint, RuntimeConfig(backend=backend, device=device, max_slots=slots, max_len=max_len,
-                                               cuda_graphs=cuda_graphs, tiles=TileTable.load(tiles) if tiles else None),
+                                               cuda_graphs=cuda_graphs, tiles=TileTable.load(tiles) if tiles else None,
+                                               spec=o.spec, draft_head=o.draft_head, draft_vocab=o.draft_vocab),
                      source=source)
     vocab = rt.hf_config.text_config.vocab_size
     bw = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
@@ -337,32 +378,123 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
             row["transformers_tok_per_s"] = round(b / sec, 1)
             row["speedup_vs_transformers"] = round(row["tok_per_s"] / (b / sec), 1)
             log(f"transformers batch {b}: {b / sec:.1f} tok/s -> ours {row['speedup_vs_transformers']}x")
+    if o.spec:
+        report["spec"] = spec_report(rt, o, batches, context, steps, report["decode"], log)
     del hf  # the baseline's memory goes back before the pages run
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    engine = Engine(runner=rt, processor=processor)
+    engine = Engine(runner=rt, processor=processor, prefill_budget=o.prefill_budget or PREFILL_BUDGET)
     encs = [encode(p) for p in page_list]
-    if concurrency:
-        # Untimed: one page through the engine compiles the vision encoder's and prefill's kernels,
+    report["prefill_budget"] = engine.prefill_budget
+    if concurrency or o.slo_p90:
+        # Untimed: pages through the engine compile the vision encoder's and prefill's kernels,
         # and every decode bucket the levels can reach is captured, so that no level's latencies
         # carry a one-off cost (before this, the first page at concurrency 1 took ~10 s of a
         # 2.2 s median on an H100, and p90 reported it).
         t = time.perf_counter()
+        # the page's prompt in two passes, so a chunk that continues a slot's state (its own kernel
+        # variants: fla-core's with an initial state, masked attention) compiles here too
+        budget, engine.prefill_budget = engine.prefill_budget, encs[0]["input_ids"].shape[1] // 2 + 1
         list(engine.generate([(encs[0], 2)], max_batch=1, stop_at_eos=False))
-        captured = rt.capture_buckets(max(concurrency))
+        engine.prefill_budget = budget
+        captured = rt.capture_buckets(max(concurrency + ([SLO_MAX_CONCURRENCY] if o.slo_p90 else [])))
         report["pages_warmup_s"] = round(time.perf_counter() - t, 1)
-        log(f"pages warm-up: {report['pages_warmup_s']} s (one page, buckets captured: {captured or 'none'})")
+        log(f"pages warm-up: {report['pages_warmup_s']} s (one page in two passes, buckets captured: {captured or 'none'})")
+        if dev.type == "cuda":
+            report["prefill"] = pf = prefill_speed(rt, encs[0], dense_bf16_rate(dev))
+            log(f"one page's prefill: vision {pf['vision_s']} s + text {pf['text_s']} s = {pf['total_s']} s, "
+                f"{pf['over_roofline']}x its roofline ({pf['vision_tflop']} + {pf['text_tflop']} TFLOP at "
+                f"{pf['dense_bf16_tflop_s']} TFLOP/s)")
     for c in concurrency:
         n = pages or max(4, c)
         row = page_speed(engine, (encs * (n // len(encs) + 1))[:n], c, out_tokens)
         report["pages"].append(row)
         log(f"pages at concurrency {c}: {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 {row['p90_s']} s")
+    if o.slo_p90:
+        report["slo"] = pages_at_slo(engine, encs, o.slo_p90, out_tokens, SLO_MAX_CONCURRENCY, pages, log)
+    if o.spec and report["pages"] and o.acceptance is None:  # a checkpoint's MTP: acceptance measured on the pages
+        report["spec"]["measured_accepted_length"] = {r["concurrency"]: r.get("accepted_length")
+                                                      for r in report["pages"]}
     report["total_s"] = round(time.perf_counter() - t0, 1)
     return report
 
 
+def add_random_mtp(store, config, device: str, seed: int = 0) -> None:
+    """A random MTP layer (model/mtp.py's, bf16) into a named shape's MemoryStore, as `mtp.*`."""
+    from .model.mtp import Qwen35MTP
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        tensors = Qwen35MTP(config.text_config).checkpoint_tensors()
+    store.tensors.update({k: v.to(device) for k, v in tensors.items()})
+    store.where.update(dict.fromkeys(tensors))
+
+
+def spec_report(rt, o: BenchOptions, batches: list[int], context: int, steps: int, decode: list[dict],
+                log: Callable[[str], None]) -> dict:
+    """Speculative decoding at each batch: the step's phases timed for real (verify of k+1 positions,
+    commit, the MTP's drafting), the draft head's cost beside the full head's, the accepted length
+    at which a step breaks even with plain decode, and, from the acceptance given (--acceptance:
+    not measured here), the expected tokens per step and tok/s."""
+    import json
+
+    from .runtime.measure import accepted_lengths, spec_step_speed
+
+    k, probs = o.spec, None
+    if o.acceptance is not None:
+        try:
+            probs = accepted_lengths(json.loads(Path(o.acceptance).read_text()), k)
+        except (OSError, ValueError) as e:
+            raise OcriaError(f"--acceptance {o.acceptance}: {e}") from None
+        source = f"from {o.acceptance} (given, not measured: expected tok/s below assume it)"
+    else:
+        source = "measured on the pages (pages rows' accepted_length)"
+    expected = sum((i + 1) * p for i, p in enumerate(probs)) if probs else None
+    log(f"speculative decoding, k={k}: acceptance {source}"
+        + (f"; expected {expected:.2f} tokens per step" if expected else ""))
+    vocab = rt.hf_config.text_config.vocab_size
+    dim = rt.hf_config.text_config.hidden_size
+    rows = []
+    for b in batches:
+        t = spec_step_speed(rt, b, context, steps, vocab)
+        plain = next(r for r in decode if r["batch"] == b)["ms_per_step"] / 1e3
+        h = torch.randn(b, dim, dtype=rt.dtype, device=rt.device)
+        head_s = _timed(lambda: rt.draft_head(h), rt.device)
+        full_s = head_s if rt.draft_head is rt.model.lm_head else _timed(lambda: rt.model.lm_head(h), rt.device)
+        row = {"batch": b, "step_ms": round(t["step_s"] * 1e3, 3), "verify_ms": round(t["verify_s"] * 1e3, 3),
+               "commit_ms": round(t["commit_s"] * 1e3, 3), "draft_ms": round(t["draft_s"] * 1e3, 3),
+               "draft_head_ms": round(head_s * 1e3, 3), "full_head_ms": round(full_s * 1e3, 3),
+               "plain_step_ms": round(plain * 1e3, 3), "break_even_accepted_length": round(t["step_s"] / plain, 2)}
+        if expected:
+            row["expected_tok_per_s"] = round(b * expected / t["step_s"], 1)
+            row["expected_speedup"] = round(expected * plain / t["step_s"], 2)
+        rows.append(row)
+        log(f"spec batch {b}: step {row['step_ms']} ms (verify {row['verify_ms']}, commit {row['commit_ms']}, draft "
+            f"{row['draft_ms']}; draft head {row['draft_head_ms']} ms a call, full head {row['full_head_ms']}); plain "
+            f"step {row['plain_step_ms']} ms: breaks even at {row['break_even_accepted_length']} tokens per step"
+            + (f"; expected {row['expected_tok_per_s']} tok/s ({row['expected_speedup']}x)" if expected else ""))
+    return {"k": k, "acceptance": source, "accepted_length_probs": probs, "expected_accepted_length": expected,
+            "draft_head": o.draft_head, "draft_vocab": o.draft_vocab or vocab, "cuda_graphs": False,
+            "note": "speculative steps run eagerly (no CUDA graph per (bucket, k) yet)", "steps": rows}
+
+
+def _timed(fn, device, reps: int = 10) -> float:
+    """Median seconds of fn() (synchronized on a GPU)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    fn()
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
 def table(report: dict):
-    """The report as rich tables (decode, pages)."""
+    """The report as rich tables: decode, pages, and where measured the prefill roofline and the
+    SLO search."""
     from rich.table import Table
 
     d = Table(title=f"decode — {report['model']} on {report['device']}, context {report['context']}, "
@@ -381,4 +513,139 @@ def table(report: dict):
     for r in report["pages"]:
         p.add_row(str(r["concurrency"]), str(r["pages"]), f"{r['pages_per_s']:.3f}", f"{r['p50_s']:.2f}",
                   f"{r['p90_s']:.2f}", f"{r['tok_per_s']:.0f}")
-    return d, p
+    tables = [d, p]
+    if "prefill" in report:
+        pf = report["prefill"]
+        f = Table(title=f"one page's prefill against its FLOP roofline ({pf['vision_tflop']} + {pf['text_tflop']} "
+                        f"TFLOP at the {pf['dense_bf16_tflop_s']} TFLOP/s of a dense BF16 matmul)")
+        for col in ("vision s", "text s", "total s", "roofline s", "× roofline"):
+            f.add_column(col, justify="right")
+        f.add_row(f"{pf['vision_s']:.3f}", f"{pf['text_s']:.3f}", f"{pf['total_s']:.3f}", f"{pf['roofline_s']:.3f}",
+                  f"{pf['over_roofline']:.2f}")
+        tables.append(f)
+    if "slo" in report:
+        slo = report["slo"]
+        t = Table(title=f"pages within p90 ≤ {slo['slo_p90_s']} s: {slo['pages_per_s']:.3f} pages/s at concurrency "
+                        f"{slo['concurrency']}" if slo["concurrency"] else
+                        f"pages within p90 ≤ {slo['slo_p90_s']} s: not held even one page at a time")
+        for col in ("concurrency", "pages", "pages/s", "p50 s", "p90 s", "first token p50 s", "held"):
+            t.add_column(col, justify="right")
+        for r in slo["levels"]:
+            t.add_row(str(r["concurrency"]), str(r["pages"]), f"{r['pages_per_s']:.3f}", f"{r['p50_s']:.2f}",
+                      f"{r['p90_s']:.2f}", f"{r['first_token_p50_s']:.2f}",
+                      "yes" if r["p90_s"] <= slo["slo_p90_s"] else "no")
+        tables.append(t)
+    if "spec" in report:
+        sp = report["spec"]
+        t = Table(title=f"speculative decoding, {sp['k']} drafts a step (draft head {sp['draft_head']}, vocabulary "
+                        f"{sp['draft_vocab']}); acceptance {sp['acceptance']}")
+        for col in ("batch", "step ms", "verify ms", "commit ms", "draft ms", "draft head ms", "plain step ms",
+                    "break-even tokens/step", "expected tok/s", "expected ×"):
+            t.add_column(col, justify="right")
+        for r in sp["steps"]:
+            t.add_row(str(r["batch"]), f"{r['step_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['commit_ms']:.2f}",
+                      f"{r['draft_ms']:.2f}", f"{r['draft_head_ms']:.2f}", f"{r['plain_step_ms']:.2f}",
+                      f"{r['break_even_accepted_length']:.2f}", str(r.get("expected_tok_per_s", "—")),
+                      f"{r['expected_speedup']}×" if "expected_speedup" in r else "—")
+        tables.append(t)
+    return tables
+
+
+def _gpu_worker(device: str, feed, emit, job) -> None:
+    """One engine of `bench --gpus`: built and warmed up, then "ready"; then the pool's pages (synthetic
+    page ids), each generating out_tokens tokens, at `concurrency`; a "page" event per finished page."""
+    checkpoint, o, concurrency = job
+    from .model.processor import encode_page
+    from .runtime.config import RuntimeConfig
+    from .runtime.engine import Engine
+    from .runtime.model_runner import ModelRunner
+    from .runtime.tiles import TileTable
+
+    page_list, _ = synthetic_pages(4, o.megapixels)
+    if o.shape is not None:
+        _, store, kinds, config, processor = build_shape(o.shape, o.plan, device)
+        source = (config, store, kinds)
+    else:
+        from .model.load import resolve_model_dir
+        from .model.processor import load_processor
+
+        processor, source = load_processor(resolve_model_dir(checkpoint)), None
+    encs = [encode_page(processor, p) for p in page_list]
+    rt = ModelRunner(checkpoint, RuntimeConfig(backend=o.backend, device=device, max_slots=concurrency,
+                                               max_len=encs[0]["input_ids"].shape[1] + o.out_tokens + 16,
+                                               cuda_graphs=o.cuda_graphs,
+                                               tiles=TileTable.load(o.tiles) if o.tiles else None), source=source)
+    engine = Engine(runner=rt, processor=processor)
+    list(engine.generate([(encs[0], 2)], max_batch=1, stop_at_eos=False))  # untimed: compiles, as run() does
+    rt.capture_buckets(concurrency)
+    emit("ready")
+    keys: dict[int, str] = {}
+
+    def requests():
+        for rid, (key, i) in enumerate(feed):
+            keys[rid] = key
+            yield encs[i % len(encs)], o.out_tokens
+
+    for r in engine.generate(requests(), max_batch=concurrency, stop_at_eos=False):
+        emit("page", key=keys.pop(r.rid), seconds=r.seconds, tokens=len(r.tokens))
+
+
+def run_gpus(checkpoint: Path | None, gpus: str | int, options: BenchOptions = BenchOptions(),
+             log: Callable[[str], None] = print, **fields) -> dict:
+    """`bench --gpus N`: pages/s and p50 / p90 latency with one engine per GPU (scale/pool.py), at
+    the largest --concurrency per GPU, on 1 GPU and on N in the same run, and the scaling
+    efficiency: pages/s on N ÷ (N × pages/s on 1). Engines are built and warmed up before the
+    clock starts; every page generates out_tokens tokens."""
+    from .scale.devices import worker_devices
+    from .scale.pool import run_pool, shards
+
+    o = replace(options, **fields)
+    if checkpoint is not None and o.shape is not None:
+        raise OcriaError("give a checkpoint or --shape, not both")
+    devices = worker_devices(gpus, o.device)
+    concurrency = max(o.concurrency) if o.concurrency else 8
+    per_gpu = o.pages or max(8, 2 * concurrency)  # a few waves per GPU: admissions staggered, not one burst
+    label = f"{o.shape} {o.plan} (random weights)" if o.shape else str(checkpoint or "bundled model")
+    report = {"model": label, "device": o.device, "backend": o.backend, "concurrency_per_gpu": concurrency,
+              "out_tokens": o.out_tokens, "megapixels": o.megapixels, "runs": []}
+    for n in sorted({1, len(devices)}):
+        lat, tokens, last = [], [0], [0.0]
+
+        def on_event(worker, kind, key, data):
+            if kind == "page":
+                lat.append(data["seconds"])
+                tokens[0] += data["tokens"]
+                last[0] = time.perf_counter()
+
+        log(f"{n} engine(s) on {', '.join(d if v is None else f'GPU {v}' for d, v in devices[:n])}: "
+            f"{per_gpu * n} pages at concurrency {concurrency} each")
+        pool = run_pool(_gpu_worker, devices[:n], shards([(str(i), i) for i in range(per_gpu * n)], 1),
+                        (checkpoint, o, concurrency), on_event, wait_ready=True)
+        dead = [w for w in pool.workers if w.exit_code != 0]
+        if dead:
+            raise OcriaError(f"bench engine {dead[0].worker} ({dead[0].device}) failed (exit code {dead[0].exit_code})"
+                             + (f":\n{dead[0].error}" if dead[0].error else ""))
+        wall = last[0] - pool.started_at
+        lat.sort()
+        q = statistics.quantiles(lat, n=10, method="inclusive") if len(lat) > 1 else lat * 9
+        row = {"gpus": n, "pages": len(lat), "seconds": round(wall, 2), "pages_per_s": round(len(lat) / wall, 3),
+               "p50_s": round(statistics.median(lat), 2), "p90_s": round(q[8], 2),
+               "tok_per_s": round(tokens[0] / wall, 1)}
+        report["runs"].append(row)
+        log(f"{n} engine(s): {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 {row['p90_s']} s")
+    one, many = report["runs"][0], report["runs"][-1]
+    report["scaling_efficiency"] = round(many["pages_per_s"] / (many["gpus"] * one["pages_per_s"]), 3)
+    return report
+
+
+def gpus_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"pages across GPUs — {report['model']}, concurrency {report['concurrency_per_gpu']} per GPU, "
+                    f"{report['out_tokens']} out tokens each; scaling efficiency {report['scaling_efficiency']:.0%}")
+    for col in ("GPUs", "pages", "pages/s", "p50 s", "p90 s", "tok/s"):
+        t.add_column(col, justify="right")
+    for r in report["runs"]:
+        t.add_row(str(r["gpus"]), str(r["pages"]), f"{r['pages_per_s']:.3f}", f"{r['p50_s']:.2f}",
+                  f"{r['p90_s']:.2f}", f"{r['tok_per_s']:.0f}")
+    return t

@@ -205,19 +205,26 @@ def search(
                                                   "(default: the calibration's page folder).")] = None,
     out: Annotated[Path, typer.Option(help="Where plan.json, report.md/json and pareto.png go.")] = Path("ocriaquant-out/search"),
     target: Annotated[str, typer.Option(help="h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4).")] = "h200",
-    batch: Annotated[int, typer.Option(help="Serving batch the step time is predicted for.")] = 1,
+    batch: Annotated[int, typer.Option(help="The batch you serve at: step time predicted, and measured, there.")] = 1,
     max_ned_increase: Annotated[float, typer.Option(help="Tolerance: the chosen plan's NED increase over BF16, "
                                                     "95% upper bound.")] = 0.01,
     policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
     latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from benchmarks/bench_kernels.py.")] = None,
-    eval_pages: Annotated[int, typer.Option(help="Held-out pages decoded per candidate.")] = 16,
+    eval_pages: Annotated[int, typer.Option(help="Held-out pages with ground truth decoded per candidate (all of "
+                                            "them, up to this many).")] = 256,
     candidates: Annotated[int, typer.Option(help="Frontier points evaluated besides BF16/FP8/NVFP4.")] = 4,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="Compute dtype of the simulation (fp32 on CPU).")] = "fp32",
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (default: 1.25x "
-                                                          "the longest reference).")] = None,
+    dtype: Annotated[str, typer.Option(help="Compute dtype of the runtime that decodes the held-out pages.")] = "bf16",
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (below it, each page "
+                                                          "has room for 1.25x its reference + 16).")] = None,
     peers: Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, "
                                        "or NAME,NAME (names or YAML files).")] = "all",
+    objective: Annotated[str, typer.Option(help="latency (the batch-1 decode step) or throughput (pages/s within "
+                                           "--slo-p90).")] = "latency",
+    slo_p90: Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in "
+                                                     "seconds, the pages/s are measured within.")] = None,
+    measure: Annotated[Optional[bool], typer.Option("--measure/--no-measure", help="Time the finalists in the "
+                                                    "runtime (default: on a GPU yes, on the CPU no).")] = None,
     verbose: Verbose = False,
 ):
     """Choose a format per layer group: the fastest plan within your quality tolerance.
@@ -232,12 +239,15 @@ def search(
 
     opts = SearchOptions(target=target, batch=batch, max_ned_increase=max_ned_increase, policy=policy,
                          latency_table=latency_table, eval_pages=eval_pages, candidates=candidates, device=device,
-                         dtype=dtype, max_new_tokens=max_new_tokens, peers=peers)
+                         dtype=dtype, max_new_tokens=max_new_tokens, peers=peers, objective=objective,
+                         slo_p90=slo_p90, measure=measure)
     rep = run_search(calib or default_calibration(err_console), pages, out, opts, console=err_console)
     console.print(f"[bold]{rep['chosen']}[/]: {rep['verdict']}")
     for c in rep["candidates"]:
-        console.print(f"  {c['label']:<26} {c['target']}  {c['predicted_ms']:.4f} ms  NED {c['ned']:.4f}  "
-                      f"ΔNED {c['ned_increase'][0]:+.4f} (≤{c['ned_increase'][2]:+.4f})")
+        m = c["measured"]
+        timed = f"  measured {m['step_b1_ms']:.3f} ms" if m else ""
+        console.print(f"  {c['label']:<26} {c['target']}  predicted {c['predicted_b1_ms']:.4f} ms{timed}  "
+                      f"NED {c['ned']:.4f}  ΔNED {c['ned_increase'][0]:+.4f} (≤{c['ned_increase'][2]:+.4f})")
     console.print(f"wrote {out}/plan.json, report.md, report.json, pareto.png")
 
 
@@ -295,17 +305,24 @@ def quantize(
                                                   "split calibrates, the held-out split judges.")] = None,
     out: Annotated[Path, typer.Option(help="Directory for calib/, search/ and checkpoint/.")] = Path("ocriaquant-out"),
     target: Annotated[str, typer.Option(help="h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4).")] = "h200",
-    batch: Annotated[int, typer.Option(help="Serving batch the step time is predicted for.")] = 1,
+    batch: Annotated[int, typer.Option(help="The batch you serve at: step time predicted, and measured, there.")] = 1,
     max_ned_increase: Annotated[float, typer.Option(help="Tolerated NED increase over BF16 (95% upper bound).")] = 0.01,
     policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
     latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from benchmarks/bench_kernels.py.")] = None,
     calib_pages: Annotated[int, typer.Option(help="Calibration pages.")] = 32,
-    eval_pages: Annotated[int, typer.Option(help="Held-out pages decoded per search candidate.")] = 16,
+    eval_pages: Annotated[int, typer.Option(help="Held-out pages with ground truth decoded per search candidate "
+                                            "(all of them, up to this many).")] = 256,
     verify_pages: Annotated[int, typer.Option(help="Held-out pages for the checkpoint's reload check (0: skip).")] = 16,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT/checkpoint.")] = False,
     peers: Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, "
                                        "or NAME,NAME (names or YAML files).")] = "all",
+    objective: Annotated[str, typer.Option(help="latency (the batch-1 decode step) or throughput (pages/s within "
+                                           "--slo-p90).")] = "latency",
+    slo_p90: Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in "
+                                                     "seconds, the pages/s are measured within.")] = None,
+    measure: Annotated[Optional[bool], typer.Option("--measure/--no-measure", help="Time the search's finalists in "
+                                                    "the runtime (default: on a GPU yes, on the CPU no).")] = None,
     verbose: Verbose = False,
 ):
     """Calibrate, search and export in one go: the fastest checkpoint within your tolerance.
@@ -324,10 +341,11 @@ def quantize(
     from .pipeline import QuantizeOptions, quantize as run
     from .search import SearchOptions
 
-    # quantize has no --dtype: fp32 on the CPU, bf16 on a GPU, for calibration and search alike.
+    # quantize has no --dtype: calibration runs in fp32 on the CPU, bf16 on a GPU (QuantizeOptions.calib_dtype);
+    # search decodes in bf16, as the checkpoint is served.
     search_opts = SearchOptions(target=target, batch=batch, max_ned_increase=max_ned_increase, policy=policy,
-                                latency_table=latency_table, eval_pages=eval_pages, device=device,
-                                dtype="fp32" if device == "cpu" else "bf16", peers=peers)
+                                latency_table=latency_table, eval_pages=eval_pages, device=device, peers=peers,
+                                objective=objective, slo_p90=slo_p90, measure=measure)
     opts = QuantizeOptions(search=search_opts, calib_pages=calib_pages, verify_pages=verify_pages, force=force)
     res = run(model, pages, out, opts, console=err_console)
     console.print(f"[bold]{res.report['chosen']}[/]: {res.report['verdict']}")
@@ -348,37 +366,71 @@ def quantize(
 def parse(
     checkpoint: Annotated[Optional[Path], typer.Argument(help="Checkpoint from `ocriaquant export` or a BF16 "
                                                          "Qwen3.5 model directory (default: bundled model).")] = None,
-    pages: Annotated[Optional[Path], typer.Argument(help="Folder of pages or PDFs (default: bundled calib_data/).")] = None,
+    pages: Annotated[Optional[str], typer.Argument(help="Folder of pages or PDFs, a single file, or any path fsspec "
+                                                   "reads, e.g. s3://bucket/scans (default: bundled calib_data/).")] = None,
     out: Annotated[Path, typer.Option(help="Directory for NAME.md per page and summary.json.")] = Path("ocriaquant-out/parsed"),
-    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    max_batch: Annotated[int, typer.Option(help="Pages decoded together (continuous batching).")] = 8,
+    device: Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cpu; cuda with --gpus or --ray).")] = None,
+    max_batch: Annotated[int, typer.Option(help="Pages decoded together (continuous batching), per engine.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Longest markdown, in tokens.")] = 1024,
     redo: Annotated[bool, typer.Option("--redo", help="Parse again pages whose NAME.md already exists.")] = False,
     backend: Annotated[str, typer.Option(help="torch (reference, CPU or GPU) or triton (decode kernels; GPU, or "
                                          "the CPU under TRITON_INTERPRET=1).")] = "torch",
     tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
                                                   "recipes/tiles/h200.json, swept on an H200).")] = None,
+    gpus: Annotated[Optional[str], typer.Option(help="One engine per GPU: `all` or a number. With --device cpu, that "
+                                                "many CPU engine workers (a dry run of the same code).")] = None,
+    ray: Annotated[Optional[str], typer.Option(
+        "--ray", metavar="ADDRESS",
+        help="Run the engines as actors of a Ray cluster (Ray Data): `--ray auto` joins the cluster this machine "
+             "belongs to (`ray start`), `--ray ray://HEAD:10001` another one, `--ray local` starts Ray here. Needs "
+             "`pip install ocriaquant[scale]`.")] = None,
+    read_workers: Annotated[Optional[int], typer.Option(
+        help="Processes per engine that read, render and preprocess pages ahead of it (0: in the engine's own "
+             "process; default 2 on a GPU, 0 on the CPU, where the engine needs the cores).")] = None,
+    spec: Annotated[int, typer.Option(help="Speculative decoding: tokens the checkpoint's MTP layer drafts per step "
+                                      "(0: off). Output is identical to --spec 0 (greedy); summary.json gives the "
+                                      "accepted length.", min=0, max=8)] = 0,
     verbose: Verbose = False,
 ):
     """Parse pages to markdown with ocriaquant's own runtime.
 
-    Unreadable pages are reported in summary.json and skipped; the others complete. Files are
-    written atomically; a rerun skips pages already parsed (--redo to parse them again).
+    Pages are read, rendered and preprocessed ahead of the engine by reader processes, so memory
+    stays flat whatever the folder's size. Unreadable pages are reported in summary.json and
+    skipped; the others complete. Files are written atomically; a rerun skips pages already parsed
+    (--redo to parse them again). With --gpus, each GPU runs its own engine on a share of the
+    pages; a worker that dies loses only the pages it held (summary.json names them; rerun the
+    same command to parse them).
 
     Examples:
 
         ocriaquant parse ocriaquant-out/checkpoint ~/scans --out parsed/
         ocriaquant parse --device cuda --max-batch 32 ckpt/ pages/
+        ocriaquant parse ckpt/ ~/backlog --gpus all --backend triton --max-batch 32
+        ocriaquant parse ckpt/ s3://bucket/backlog --ray auto --backend triton
+        ocriaquant parse ckpt/ pages/ --spec 4      (drafts with the checkpoint's MTP layer)
     """
     from .data import BUNDLED_PAGES
-    from .parse import parse as run
+    from .parse import ParseOptions, parse as run
 
-    s = run(checkpoint, pages or BUNDLED_PAGES, out, device, max_new_tokens, max_batch, redo, err_console, backend,
-            tiles=tiles)
+    device = device or ("cuda" if gpus is not None or ray is not None else "cpu")
+    opts = ParseOptions(device=device, backend=backend, max_new_tokens=max_new_tokens, max_batch=max_batch,
+                        redo=redo, tiles=tiles, read_workers=read_workers, gpus=gpus, ray=ray, spec=spec)
+    s = run(checkpoint, pages or BUNDLED_PAGES, out, opts, err_console)
     console.print(f"parsed {s['parsed']} of {s['pages']} pages ({s['already_done']} already done) in "
                   f"{s['seconds']:.1f}s, {s['tokens']} tokens ({s['tokens_per_s']} tok/s) -> {out}")
+    if spec:
+        console.print(f"speculative decoding, {spec} drafts a step: {s['accepted_length']} tokens per verify step")
     for f in s["failed"]:
-        console.print(f"[yellow]skipped[/] {f['path']}: {f['error']}")
+        console.print(f"[yellow]skipped[/] {escape(f['path'])}: {escape(f['error'])}")
+    for w in s.get("workers", []):
+        if w["exit_code"] != 0:
+            console.print(f"[red]engine worker {w['worker']} ({w['device']}) died[/] (exit code {w['exit_code']}"
+                          f"{': ' + escape(w['error']) if w.get('error') else ''}); pages it held, not parsed: "
+                          f"{', '.join(w['lost']) or 'none'}")
+    if s.get("lost") or s.get("not_started"):
+        console.print(f"{len(s['lost']) + s.get('not_started', 0)} page(s) not parsed; run the same command again "
+                      "to parse them (finished pages are skipped)")
+        raise typer.Exit(1)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -415,6 +467,24 @@ def bench(
     cuda_graphs: Annotated[bool, typer.Option(help="Replay the decode step as a CUDA graph per batch bucket.")] = True,
     tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
                                                   "recipes/tiles/h200.json, swept on an H200).")] = None,
+    slo_p90: Annotated[Optional[float], typer.Option(help="Also find the highest concurrency whose p90 page "
+                                                     "latency stays within this many seconds, and its pages/s.")] = None,
+    prefill_budget: Annotated[Optional[int], typer.Option(help="Prompt tokens the engine prefills per step, beside "
+                                                          "the decode rows (chunked prefill; default: the engine's, "
+                                                          "about one 4.1 MP page).", min=1)] = None,
+    gpus: Annotated[Optional[str], typer.Option(help="Pages/s and p50/p90 with one engine per GPU (`all` or N), "
+                                                "at the largest --concurrency per GPU, on 1 GPU and on N in the same "
+                                                "run, and the scaling efficiency; decode rows are not timed.")] = None,
+    spec: Annotated[int, typer.Option(help="Also time speculative decoding with this many MTP drafts a step (the "
+                                      "checkpoint's MTP layer; a --shape gets a random one).", min=0, max=8)] = 0,
+    acceptance: Annotated[Optional[Path], typer.Option(help="With --spec: JSON acceptance to expect, "
+                                                       "{\"accepted_length_probs\": [P(1 token), P(2), ...]} or "
+                                                       "{\"position_acceptance\": [a1, a2, ...]}; needed with --shape "
+                                                       "(random weights accept nothing). The report says it was "
+                                                       "given, not measured.")] = None,
+    draft_head: Annotated[str, typer.Option(help="With --spec: the head drafts are scored with, bf16 or fp8.")] = "bf16",
+    draft_vocab: Annotated[int, typer.Option(help="With --spec: score drafts over the lowest N token ids only (0: "
+                                             "all).", min=0)] = 0,
     out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
     verbose: Verbose = False,
 ):
@@ -424,24 +494,35 @@ def bench(
     transformers `generate` on the same weights. Decode rows start from `--context` cached
     tokens; the roofline is the bytes one step moves (weights as our kernels read them, GDN
     state, KV cache) over the copy bandwidth measured in the same run. Pages are synthetic,
-    vision encoder and prefill included.
+    vision encoder and prefill included. On a GPU, one page's prefill is also timed against its
+    FLOP roofline; `--slo-p90 10` finds the highest concurrency whose p90 latency holds 10 s.
 
     Examples:
 
         ocriaquant bench --shape qwen3.5-4b --plan mixed
+        ocriaquant bench --shape qwen3.5-4b --batches 1,64 --concurrency "" --slo-p90 10
         ocriaquant bench ocriaquant-out/checkpoint --batches 1,8 --concurrency 8
+        ocriaquant bench --shape qwen3.5-4b --spec 4 --acceptance acceptance.json --draft-vocab 32768
+        ocriaquant bench --shape qwen3.5-4b --gpus all --concurrency 32
     """
-    from .bench import BenchOptions, run, table
+    from .bench import BenchOptions, gpus_table, run, run_gpus, table
     from .files import write_json_atomic
 
     opts = BenchOptions(shape=shape, plan=plan, device=device, backend=backend,
                         batches=tuple(_ints(batches, "--batches")), context=context, steps=steps,
                         concurrency=tuple(_ints(concurrency, "--concurrency")) if concurrency.strip() else (),
                         pages=pages, megapixels=megapixels, out_tokens=out_tokens, baseline=baseline,
-                        baseline_tokens=baseline_tokens, cuda_graphs=cuda_graphs, tiles=tiles)
-    rep = run(checkpoint, opts, log=lambda m: err_console.print(f"[dim]{m}[/]"))
-    for t in table(rep):
-        console.print(t)
+                        baseline_tokens=baseline_tokens, cuda_graphs=cuda_graphs, tiles=tiles, slo_p90=slo_p90,
+                        prefill_budget=prefill_budget, spec=spec, acceptance=acceptance, draft_head=draft_head,
+                        draft_vocab=draft_vocab)
+    log = lambda m: err_console.print(f"[dim]{m}[/]")  # noqa: E731
+    if gpus is not None:
+        rep = run_gpus(checkpoint, gpus, opts, log=log)
+        console.print(gpus_table(rep))
+    else:
+        rep = run(checkpoint, opts, log=log)
+        for t in table(rep):
+            console.print(t)
     write_json_atomic(out, rep)
     console.print(f"wrote {out}")
 

@@ -21,8 +21,9 @@ from .search import SearchOptions, run_search
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    search: SearchOptions = field(default_factory=SearchOptions)  # its device and dtype also calibrate
+    search: SearchOptions = field(default_factory=SearchOptions)  # its device also calibrates
     calib_pages: int = 32     # calibration pages
+    calib_dtype: str | None = None  # calibration's dtype (None: fp32 on the CPU, bf16 on a GPU)
     export_pages: int = 16    # calibration pages fed to llmcompressor's oneshot
     verify_pages: int = 16    # held-out pages the checkpoint's reload is checked on (0: skip)
     force: bool = False       # replace an existing OUT/checkpoint
@@ -56,8 +57,10 @@ def quantize(model=None, pages=None, out: str | Path = "ocriaquant-out", options
         raise OcriaError(f"{ckpt}: already exists; choose another --out or pass --force to replace it")
     seconds: dict[str, float] = {}
     t = time.time()
-    calibrate(model, pages, out / "calib", CalibrateOptions(max_pages=opts.calib_pages, device=opts.search.device,
-                                                            dtype=opts.search.dtype), console=console)
+    device = opts.search.device
+    dtype = opts.calib_dtype or ("fp32" if device == "cpu" else "bf16")
+    calibrate(model, pages, out / "calib", CalibrateOptions(max_pages=opts.calib_pages, device=device, dtype=dtype),
+              console=console)
     seconds["calibrate"] = time.time() - t
     t = time.time()
     report = run_search(out / "calib", pages, out / "search", opts.search, console=console)

@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -52,3 +53,20 @@ def synth_pages(tmp_path_factory):
     write_pages(out, 6, seed=1, style=SynthStyle(width=256, height=320, font_size=12, heading_size=16,
                                                  subheading_size=14, margin=16))
     return out
+
+
+@pytest.fixture(scope="session")
+def mixed_checkpoint(tmp_path_factory):
+    """The bundled model exported with a mixed FP8 / NVFP4 plan (h200: weight-only NVFP4)."""
+    from ocriaquant.artifacts import model_fingerprint
+    from ocriaquant.export import export
+    from ocriaquant.model import DEFAULT_MODEL, discover_groups, load_config, meta_model
+
+    tmp = tmp_path_factory.mktemp("mixed")
+    groups = discover_groups(meta_model(load_config(DEFAULT_MODEL)))
+    fmt = {"mlp_up": "nvfp4", "mlp_down": "nvfp4", "gdn_in": "fp8", "gdn_out": "fp8", "attn_qkv": "fp8",
+           "attn_o": "fp8"}
+    plan = {g.name: fmt.get(g.kind, "bf16") for g in groups if not g.always_bf16}
+    (tmp / "plan.json").write_text(json.dumps({"target": "h200", "groups": plan, "model_dir": str(DEFAULT_MODEL),
+                                               "calibration": {"fingerprint": model_fingerprint(DEFAULT_MODEL)}}))
+    return export(tmp / "plan.json", tmp / "ckpt", max_pages=2, verify_pages=0)

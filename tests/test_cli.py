@@ -90,22 +90,22 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
     from ocriaquant import bench
     from ocriaquant.runtime.model_runner import ModelRunner
 
-    first_cost = 2.0
-    real = ModelRunner.prefill
+    first_cost = 4.0
+    real = ModelRunner.prefill_chunks
     calls = []
 
-    def prefill(self, enc, slot):
-        calls.append(slot)
+    def prefill_chunks(self, parts):
+        calls.append(len(parts))
         if len(calls) == 1:
             time.sleep(first_cost)
-        return real(self, enc, slot)
+        return real(self, parts)
 
-    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    monkeypatch.setattr(ModelRunner, "prefill_chunks", prefill_chunks)
     rep = bench.run(None, bench.BenchOptions(device="cpu", backend="torch", batches=(1,), context=8, steps=1,
                                              concurrency=(1,), pages=3, megapixels=0.2, out_tokens=2, baseline=False,
                                              cuda_graphs=False), log=lambda _: None)
     (pages,) = rep["pages"]
-    assert len(calls) == 4  # the warm-up's page and the three timed ones
+    assert calls == [1] * 5  # the warm-up's page in two passes (a continuing chunk compiles too), 3 timed
     assert pages["pages"] == 3 and pages["p90_s"] < first_cost <= rep["pages_warmup_s"]
 
 

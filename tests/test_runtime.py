@@ -99,23 +99,6 @@ def test_prefill_logits_equal_transformers(tiny_model_dir, synth_pages):
     assert delta < 0  # 64 image tokens on a 8x8 grid take fewer than 64 positions
 
 
-@pytest.fixture(scope="module")
-def mixed_checkpoint(tmp_path_factory):
-    """The bundled model exported with a mixed FP8 / NVFP4 plan (h200: weight-only NVFP4)."""
-    from ocriaquant.artifacts import model_fingerprint
-    from ocriaquant.export import export
-    from ocriaquant.model import DEFAULT_MODEL, discover_groups, load_config, meta_model
-
-    tmp = tmp_path_factory.mktemp("mixed")
-    groups = discover_groups(meta_model(load_config(DEFAULT_MODEL)))
-    fmt = {"mlp_up": "nvfp4", "mlp_down": "nvfp4", "gdn_in": "fp8", "gdn_out": "fp8", "attn_qkv": "fp8",
-           "attn_o": "fp8"}
-    plan = {g.name: fmt.get(g.kind, "bf16") for g in groups if not g.always_bf16}
-    (tmp / "plan.json").write_text(json.dumps({"target": "h200", "groups": plan, "model_dir": str(DEFAULT_MODEL),
-                                               "calibration": {"fingerprint": model_fingerprint(DEFAULT_MODEL)}}))
-    return export(tmp / "plan.json", tmp / "ckpt", max_pages=2, verify_pages=0)
-
-
 @pytest.mark.parametrize("which", ["bf16", "mixed"])
 def test_runtime_greedy_tokens_equal_transformers(which, request):
     """Four held-out pages with different token limits, two slots: pages join as others
@@ -436,3 +419,29 @@ print(rt.greedy_step([8], [0], [3], [0]).get(), rt.greedy_step(None, [0], [4], [
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_fp8_prefill_rows_are_the_w8a8_product_of_the_checkpoint():
+    """Above the GEMVs' 64 rows, an FP8 Linear of the triton backend multiplies E4M3 activations
+    (quantized per token, as the checkpoint's dynamic scheme does) by the E4M3 weight with both
+    scales on the fp32 sums: within bf16 rounding of that product in float64, and of the torch
+    backend's fake-quantized BF16 product."""
+    from ocriaquant.quant import fp8
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.layers import QuantLinear
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    x = torch.randn(80, 256, dtype=torch.bfloat16, device=dev) * 3
+    w_q, w_s = fp8.quantize_weight(torch.randn(96, 256, dtype=torch.bfloat16, device=dev) / 16)
+    kernels = RuntimeConfig(backend="triton", device=dev).kernel_settings()
+    got = QuantLinear("fp8", w_q, w_s, kernels=kernels)(x)
+    x_q, x_s = fp8.quantize_activation(x)
+    exact = (x_q.double() * x_s.double()) @ (w_q.double() * w_s.double()).T
+    err = (got.double() - exact).abs()
+    assert got.dtype == torch.bfloat16 and bool((err <= exact.abs() * 2**-8 + 1e-6).all())
+    torch_path = QuantLinear("fp8", w_q, w_s)(x).double()
+    assert float((torch_path - exact).norm() / exact.norm()) < 1e-2
+    assert not torch.equal(got, QuantLinear("bf16", fp8.dequantize(w_q, w_s, torch.bfloat16))(x))  # not BF16

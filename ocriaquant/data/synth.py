@@ -4,6 +4,13 @@ Each page is drawn from a seed alone: headings, paragraphs, bulleted lists and s
 tables, rendered with a bundled DejaVu font so that the same seed gives the same pixels on
 every machine. The markdown returned with the image is exactly what was drawn: a block
 that does not fit on the page is left out of both.
+
+Three styles: `GRID_STYLE` (monospace on a fixed character grid, a ~300-word vocabulary: what
+the bundled ocria-nano reads), `SynthStyle()` (one proportional sans face, the same
+vocabulary), and document pages (`docgen.DocStyle`, `DOC_STYLE`: proportional serif / sans /
+Times-like faces in bold and italic, sizes 13-24 px on 512-768 px pages, numbered and bulleted
+lists, ruled and boxed tables, an open vocabulary, paper tint and scan noise). `make_page` and
+`write_pages` take any of them.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from .docgen import DOC_STYLE, DocStyle, make_doc_page  # noqa: F401  (DOC_STYLE: re-exported beside GRID_STYLE)
 
 FONT_DIR = Path(__file__).resolve().parent.parent / "assets" / "fonts"
 
@@ -326,8 +335,11 @@ def _table_md(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def make_page(seed: int, style: SynthStyle | None = None) -> SynthPage:
+def make_page(seed: int, style: SynthStyle | DocStyle | None = None) -> SynthPage:
     """Draw one page. Same seed and style give the same image and markdown."""
+    if isinstance(style, DocStyle):
+        doc = make_doc_page(seed, style)
+        return SynthPage(image=doc.image, markdown=doc.markdown, seed=seed)
     style = style or SynthStyle()
     rng = random.Random(seed)
     cv = _GridCanvas(style) if style.grid else _Canvas(style)
@@ -362,7 +374,7 @@ def make_page(seed: int, style: SynthStyle | None = None) -> SynthPage:
     return SynthPage(image=cv.img.convert("RGB"), markdown="\n\n".join(blocks), seed=seed)
 
 
-def write_pages(out_dir: Path, count: int, seed: int = 0, style: SynthStyle | None = None,
+def write_pages(out_dir: Path, count: int, seed: int = 0, style: SynthStyle | DocStyle | None = None,
                 prefix: str = "page") -> list[Path]:
     """Write `count` pages as PNG + sidecar .md; returns the image paths."""
     out_dir = Path(out_dir)

@@ -103,3 +103,21 @@ def chat_text(processor: PageProcessor, prompt: str, system: str | None = SYSTEM
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]})
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_page(processor: PageProcessor, page) -> dict:
+    """One page's request: input ids, attention mask, `mm_token_type_ids` (1 on image tokens:
+    Qwen3.5's forward needs them), pixel values and the image grid."""
+    return dict(processor(images=[page.image], text=[chat_text(processor, page.prompt)], return_tensors="pt"))
+
+
+class PageEncoder:
+    """A picklable factory for data/stream.py's workers: `PageEncoder(model_dir)()` loads the
+    model's processor once in the worker and returns Page -> request."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+
+    def __call__(self):
+        processor = load_processor(self.model_dir)
+        return lambda page: encode_page(processor, page)

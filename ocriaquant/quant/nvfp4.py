@@ -18,9 +18,6 @@ import torch
 from .common import FP4_MAX, FP8_MAX, FP8_SCALE_EPS, NVFP4_GROUP, check_finite, round_to_fp8, zero_to_eps
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-# Midpoints between neighbouring E2M1 values; a value equal to a midpoint goes to the even
-# neighbour (index 0, 2, 4, 6), i.e. ties at 0.25, 1.25, 2.5, 5.0 round down, at 0.75, 1.75, 3.5 up.
-_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
 def global_scale_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
@@ -55,15 +52,17 @@ def block_scales(g: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value (saturating at ±6), ties to even, sign kept (-0.1 -> -0.0)."""
+    """Nearest E2M1 value (saturating at ±6), ties to even, sign kept (-0.1 -> -0.0).
+
+    A value equal to the midpoint of two neighbours goes to the one of even index (0, 2, 4, 6):
+    ties at 0.25, 1.25, 2.5, 5.0 round down, at 0.75, 1.75, 3.5 up. The grid steps by 0.5 below 2,
+    by 1 below 4 and by 2 up to 6, so |x| / step rounded half to even (torch.round) times step is
+    that value: the integer's parity is the index's (indices k, k + 2 and k + 4 in the three
+    ranges), and dividing by a power of two is exact. Arithmetic only (no lookups): W4A4
+    emulation runs it on every activation block."""
     mag = x.abs().clamp(max=FP4_MAX)
-    mids = _MIDPOINTS.to(x.device, x.dtype)
-    # bucketize (right=False) puts a value equal to a midpoint in the lower bucket; the ties
-    # at 0.75, 1.75 and 3.5 (midpoints 1, 3, 5) round up to the even neighbour instead.
-    idx = torch.bucketize(mag, mids)
-    tie = mag == mids[idx.clamp(max=mids.numel() - 1)]
-    idx = idx + (tie & (idx % 2 == 1))
-    vals = E2M1_VALUES.to(x.device, x.dtype)[idx]
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0)).to(mag.dtype)
+    vals = torch.round(mag / step) * step
     return torch.where(torch.signbit(x), -vals, vals)
 
 

@@ -12,6 +12,7 @@ from ..errors import OcriaError
 from .tiles import TileTable
 
 BACKENDS = ("torch", "triton")
+MAX_SPEC = 8  # draft tokens per speculative step, at most
 
 
 def pdl_from_env() -> bool:
@@ -23,11 +24,13 @@ def pdl_from_env() -> bool:
 @dataclass(frozen=True)
 class RuntimeConfig:
     """backend: "torch" (the reference path: transformers' ops, CPU or GPU) or "triton" (decode
-    through runtime/kernels/; prefill stays torch). max_slots: sequences held at once;
+    through runtime/kernels/; prefill torch, its FP8 GEMMs W8A8 on the tensor cores). max_slots: sequences held at once;
     max_len: cache length per slot. cuda_graphs: the triton backend on a GPU replays a graph per
     batch bucket. pdl: kernels launch with programmatic dependent launch where the GPU has it
     (Hopper on). tiles: the GEMV tiles; None reads recipes/tiles/h200.json when the triton
-    backend needs it."""
+    backend needs it. spec: draft tokens per speculative step (0: none; > 0 needs the
+    checkpoint's MTP layer, #55); draft_head / draft_vocab: the head drafts are scored with
+    (models/mtp.draft_head: "bf16" or "fp8", the lowest `draft_vocab` ids only; 0: all)."""
     backend: str = "torch"
     device: str | torch.device = "cpu"
     dtype: torch.dtype = torch.bfloat16
@@ -36,6 +39,9 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     pdl: bool = field(default_factory=pdl_from_env)
     tiles: TileTable | None = None
+    spec: int = 0
+    draft_head: str = "bf16"
+    draft_vocab: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -43,6 +49,10 @@ class RuntimeConfig:
         if self.max_slots < 1 or self.max_len < 2:
             raise OcriaError(f"the runtime needs at least 1 slot and a cache of 2 tokens; got max_slots "
                              f"{self.max_slots}, max_len {self.max_len}")
+        if not 0 <= self.spec <= MAX_SPEC or self.draft_vocab < 0 or self.draft_head not in ("bf16", "fp8"):
+            raise OcriaError(f"speculative decoding takes 0 to {MAX_SPEC} draft tokens, a draft head of bf16 or fp8 "
+                             f"and a draft vocabulary >= 0; got spec {self.spec}, draft_head {self.draft_head!r}, "
+                             f"draft_vocab {self.draft_vocab}")
         object.__setattr__(self, "device", torch.device(self.device))
 
     @property

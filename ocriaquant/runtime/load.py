@@ -106,10 +106,80 @@ def read_linear(store: TensorStore, name: str, kind: str | None, dtype: torch.dt
                        kernels=kernels)
 
 
+def runtime_kind(fmt: str, target: str) -> str | None:
+    """How a plan's format runs on a target, as the runtime's kind (None: BF16): FP8 is W8A8 on
+    both targets; NVFP4 is weight-only (W4A16) on h200, W4A4 on b200 (activations rounded per
+    16-block at run time under the static input global scale), as export's presets write them."""
+    if target not in ("h200", "b200"):
+        raise OcriaError(f"unknown target {target!r}; choose h200 or b200")
+    kinds = {"bf16": None, "fp8": "fp8", "nvfp4": "nvfp4" if target == "h200" else "nvfp4_w4a4"}
+    if fmt not in kinds:
+        raise OcriaError(f"unknown format {fmt!r}; expected bf16, fp8 or nvfp4")
+    return kinds[fmt]
+
+
+def quantize_in_memory(tensors: dict[str, torch.Tensor], units: list[tuple[list[str], str]],
+                       input_absmax: dict[str, torch.Tensor] | None = None,
+                       cache: dict | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors a checkpoint exported with `units` holds, from a BF16 model's `tensors` (its
+    safetensors keys), without writing one: (tensors, module name -> kind) for a MemoryStore.
+
+    units: (member Linear names, kind) with kind fp8, nvfp4 or nvfp4_w4a4 (runtime_kind);
+    members of a unit share one NVFP4 global scale, as export re-ties them. Weights are quantized
+    in BF16 with quant/, as export quantizes the model it loads in BF16 (bit for bit what
+    compressed-tensors writes); a W4A4 member's input global scale comes from its calibration
+    input absmax (`input_absmax`), as export sets it. A tied lm_head is quantized from the input
+    embeddings, which stay as they are. `cache` (a dict kept by the caller) holds each unit's
+    quantized tensors for the next call: candidates that share a unit's format share its work."""
+    from ..quant import fp8, nvfp4
+
+    out, kinds = dict(tensors), {}
+    for members, kind in units:
+        if kind not in ("fp8", "nvfp4", "nvfp4_w4a4"):
+            raise OcriaError(f"unknown quantized kind {kind!r} for {members[0]}; one of fp8, nvfp4, nvfp4_w4a4")
+        fmt = "fp8" if kind == "fp8" else "nvfp4"
+        key = (tuple(members), fmt)
+        done = None if cache is None else cache.get(key)
+        if done is None:
+            ws = []
+            for n in members:
+                w = tensors.get(n + ".weight")
+                if w is None and n == "lm_head":  # tied to the input embeddings
+                    w = tensors.get(TEXT + "embed_tokens.weight")
+                if w is None:
+                    raise OcriaError(f"no weight {n}.weight to quantize; the plan names a Linear this model lacks")
+                ws.append(w.to(torch.bfloat16))
+            done = {}
+            with torch.no_grad():
+                gs = nvfp4.global_scale(*ws) if fmt == "nvfp4" else None
+                for n, w in zip(members, ws):
+                    if fmt == "fp8":
+                        q, s = fp8.quantize_weight(w, n)
+                        done.update({n + ".weight": q, n + ".weight_scale": s})
+                    else:
+                        packed, s, g = nvfp4.quantize_weight(w, gs, n)
+                        done.update({n + ".weight_packed": packed, n + ".weight_scale": s,
+                                     n + ".weight_global_scale": g})
+            if cache is not None:
+                cache[key] = done
+        for n in members:
+            out.pop(n + ".weight", None)
+            kinds[n] = kind
+            if kind == "nvfp4_w4a4":
+                if not input_absmax or n not in input_absmax:
+                    raise OcriaError(f"{n}: W4A4 needs its calibration input absmax (the static input global "
+                                     "scale); the calibration has none for it")
+                in_gs = nvfp4.global_scale_from_absmax(input_absmax[n].to(torch.bfloat16))
+                out[n + ".input_global_scale"] = in_gs.to(done[n + ".weight_global_scale"].device)
+        out.update(done)
+    return out, kinds
+
+
 def open_checkpoint(path) -> tuple[Path, dict, TensorStore, dict[str, str]]:
     model_dir = resolve_model_dir(path)
     cfg = read_config(model_dir)
     return model_dir, cfg, TensorStore(model_dir), quant_schemes(cfg)
 
 
-__all__ = ["MemoryStore", "TensorStore", "open_checkpoint", "quant_schemes", "read_linear", "TEXT"]
+__all__ = ["MemoryStore", "TensorStore", "open_checkpoint", "quant_schemes", "quantize_in_memory", "read_linear",
+           "runtime_kind", "TEXT"]

@@ -1,9 +1,12 @@
 """The model runner: a model (models/qwen3_5.py) over per-slot state buffers, and the decode
-step. Entry points: `prefill` one request into a slot, `decode` one token for a batch of slots
-(tensors), `decode_step` (host lists in, logits out), which on a GPU with the triton backend
+step. Entry points: `encode` requests into prompts (vision tower), `prefill_chunks` (a pass over
+chunks of several prompts, each into its slot, continuing where the last chunk stopped) or
+`prefill` one request whole, `decode` one token for a batch of slots (tensors), `decode_step` (host lists in, logits out), which on a GPU with the triton backend
 replays a CUDA graph captured per batch bucket, and `greedy_step` (what the engine calls): the
 same step with its argmax, whose tokens can feed the next step on the device so that the host
-reads a step's tokens while the GPU runs the next one.
+reads a step's tokens while the GPU runs the next one. With RuntimeConfig.spec = k (#55), the
+checkpoint's MTP layer drafts k tokens per row and `spec_step` (what the engine calls then)
+verifies, commits and drafts again; prefill passes fill the MTP's cache behind them.
 
 One slot more than max_slots is allocated: the sentinel, where the padded rows of a bucket
 write their (ignored) KV entries and GDN state."""
@@ -15,7 +18,8 @@ import torch
 from ..errors import OcriaError
 from .config import RuntimeConfig
 from .load import open_checkpoint
-from .models.qwen3_5 import Qwen3_5
+from .layers import Chunk
+from .models.qwen3_5 import Prompt, Qwen3_5
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # CUDA-graph batch sizes; the GEMVs take M <= 64
 
@@ -53,6 +57,10 @@ class ModelRunner:
         self._pool = None
         self._last: tuple | None = None  # greedy_step's last launch (rows, its device meta): the next may chain
         self._flip = 0  # which of a bucket's two pinned token buffers the next greedy_step copies into
+        self.spec = config.spec
+        self.mtp = None
+        if self.spec:
+            self._init_spec(store, kinds)
 
     @property
     def backend(self) -> str:
@@ -63,14 +71,29 @@ class ModelRunner:
         """The GEMV tile table the triton backend launches with (None: the torch backend)."""
         return None if self.kernels is None else self.kernels.tiles
 
+    def encode(self, encs: list[dict]) -> list[Prompt]:
+        """Processed requests (processor outputs, batch of 1 each) -> prompts ready for prefill
+        (the vision tower runs here, once for all of them)."""
+        for enc in encs:
+            n = enc["input_ids"].shape[-1]
+            if n > self.max_len:
+                raise OcriaError(f"a request of {n} prompt tokens does not fit the runtime's max_len {self.max_len}; "
+                                 "raise max_len")
+        return self.model.encode(encs)
+
+    def prefill_chunks(self, parts: list[tuple[Prompt, Chunk]]) -> torch.Tensor:
+        """One prefill pass: each (prompt, Chunk(slot, start, n)) advances that prompt's prefill
+        in its slot by n tokens; chunks of one prompt must come in order, the first at 0.
+        Returns the logits of each chunk's last position [chunks, vocab]."""
+        if self.mtp is not None:  # speculative decoding: the same pass, then the MTP over its rows
+            return self._prefill_and_draft(parts)
+        return self.model.prefill(parts, self.state)
+
     def prefill(self, enc: dict, slot: int) -> tuple[torch.Tensor, int]:
-        """One processed request (processor output, batch of 1) into `slot`. Returns the logits
-        of its last position and the M-RoPE delta its decode positions are offset by."""
-        n = enc["input_ids"].shape[-1]
-        if n > self.max_len:
-            raise OcriaError(f"a request of {n} prompt tokens does not fit the runtime's max_len {self.max_len}; "
-                             "raise max_len")
-        return self.model.prefill(enc, self.state, slot)
+        """One processed request (processor output, batch of 1) into `slot`, whole. Returns the
+        logits of its last position and the M-RoPE delta its decode positions are offset by."""
+        prompt, = self.encode([enc])
+        return self.prefill_chunks([(prompt, Chunk(slot, 0, prompt.length))])[0], prompt.delta
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
@@ -190,6 +213,147 @@ class ModelRunner:
         from .kernels.reference import greedy_advance_ref
 
         return greedy_advance_ref(logits, meta[0], meta[1], meta[2], self.sentinel)
+
+
+    # --- speculative decoding (#55) ---------------------------------------------------------------
+    #
+    # Per slot, beside the model's state: the MTP layer's KV cache (mtp_state) and the k drafts the
+    # next verify checks (drafts). A step (spec_step): verify [last token, d1 … dk] at positions
+    # L … L+k (Qwen3_5.verify), accept while draft == the target's argmax (n drafts, plus the
+    # target's own next token), commit (GDN states rolled back to L+n+1 tokens from the verify's
+    # scratch; KV entries past it are rewritten before any query reads them), then draft the next
+    # k: the MTP over the T verified positions (next token = the target's argmax there, hidden =
+    # the target's), its output at L+n giving d1, chained k-1 steps on its own output. All of it
+    # stays on the device; the tokens come back through one copy at the end.
+
+    def _init_spec(self, store, kinds: dict[str, str]) -> None:
+        from .models.mtp import MTP, draft_head, has_mtp
+
+        if not has_mtp(store):
+            raise OcriaError(f"{store.model_dir}: speculative decoding (--spec {self.spec}) drafts with the "
+                             "checkpoint's MTP layer, and this checkpoint has no MTP layer (no mtp.* tensors); run "
+                             "without --spec, or use a checkpoint that carries one")
+        self.mtp = MTP(self.hf_config, store, kinds, self.dtype, self.kernels).to(self.device).eval()
+        self.mtp_state = self.mtp.alloc_state(self.max_slots + 1, self.max_len, self.device, self.dtype)
+        self.drafts = torch.zeros(self.max_slots + 1, self.spec, dtype=torch.long, device=self.device)
+        eos = self.hf_config.text_config.eos_token_id
+        keep = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.draft_head, self.draft_ids = draft_head(self.model.lm_head, self.config.draft_head,
+                                                     self.config.draft_vocab, keep, self.kernels)
+        self.spec_rows = max(self.max_slots, bucket_for(self.max_slots) or 0)  # rows a scratch holds
+        self._scratches: dict[int, list] = {}
+        self._scratch(self.spec + 1)
+
+    def _scratch(self, tokens: int) -> list:
+        """The verify scratch of every layer for `tokens` positions (k + 1; fewer only where a row
+        nears max_len), allocated once."""
+        if tokens not in self._scratches:
+            self._scratches[tokens] = self.model.alloc_scratch(self.spec_rows, tokens, self.device)
+        return self._scratches[tokens]
+
+    def _draft_token(self, h: torch.Tensor) -> torch.Tensor:
+        best = self.draft_head(h).argmax(-1)
+        return best if self.draft_ids is None else self.draft_ids[best]
+
+    def _chain(self, h: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
+               span: int) -> torch.Tensor:
+        """Drafts for rows whose target holds `lengths` tokens, from the MTP's output h [B, D] at
+        position lengths-1: d1 from h, then k-1 MTP steps on its own output, step j at position
+        lengths+j-2 (clamped below max_len: a draft from past it is never verified). Writes and
+        returns drafts [B, k]."""
+        drafts = [self._draft_token(h)]
+        for j in range(2, self.spec + 1):
+            pos = (lengths + j - 2).clamp(max=self.max_len - 1)
+            e, step = self.model.step(drafts[-1], slots, pos, deltas, span)
+            h = self.mtp.decode(e, h, self.mtp_state, step)
+            drafts.append(self._draft_token(h))
+        out = torch.stack(drafts, 1)
+        self.drafts[slots] = out
+        return out
+
+    @torch.no_grad()
+    def _prefill_and_draft(self, parts: list[tuple[Prompt, Chunk]]) -> torch.Tensor:
+        """prefill_chunks with speculative decoding: the target's pass (its logits exactly as
+        Qwen3_5.prefill gives them), then the MTP over the same rows into its own cache, each
+        position's next token being the prompt's next (its embedding as the target sees it: image
+        features in place) or, at a prompt's last position, the first generated token (the argmax
+        of its logits, what the engine takes). A prompt that ends here gets its first k drafts."""
+        model = self.model
+        x = model.prefill_hidden(parts, self.state)
+        last = torch.tensor([c.n for _, c in parts], device=x.device).cumsum(0) - 1
+        logits = model.lm_head(model.norm(x[last]))
+        hidden = model.norm(x)
+        firsts = logits.argmax(-1)
+        nxt, ends = [], []
+        for i, (prompt, c) in enumerate(parts):
+            end = c.start + c.n
+            if end < prompt.length:
+                nxt.append(prompt.embeds[c.start + 1:end + 1])
+            else:
+                nxt.append(torch.cat([prompt.embeds[c.start + 1:end], model.embed(firsts[i:i + 1])]))
+                ends.append(i)
+        cos, sin = model.rope(torch.cat([p.positions[:, c.start:c.start + c.n] for p, c in parts], dim=1))
+        h = self.mtp.prefill(torch.cat(nxt), hidden, self.mtp_state, [c for _, c in parts], cos, sin)
+        if ends:
+            meta = torch.tensor([[parts[i][1].slot for i in ends], [parts[i][0].length for i in ends],
+                                 [parts[i][0].delta for i in ends]], dtype=torch.long).to(self.device)
+            span = 0 if self.kernels else min(self.max_len, max(parts[i][0].length for i in ends) + self.spec)
+            self._chain(h[last[ends]], meta[0], meta[1], meta[2], span)
+        return logits
+
+    @torch.no_grad()
+    def spec_step(self, tokens: list[int], slots: list[int], lengths: list[int], deltas: list[int],
+                  clock=None) -> "PendingSpec":
+        """One speculative step for decode rows (host lists, as greedy_step's): verify each row's
+        last token and its k drafts, accept the longest prefix of drafts the target agrees with,
+        commit, draft the next k. Returns a handle whose get() gives each row's new tokens (1 to
+        k+1: the accepted drafts and the target's token after them), exactly those greedy decoding
+        gives. Rows near max_len verify fewer drafts. clock(name): called after each phase (bench
+        times them; it synchronizes)."""
+        if self.mtp is None:
+            raise OcriaError("spec_step needs a runner built with spec > 0 (RuntimeConfig.spec)")
+        top = max(lengths)
+        if top >= self.max_len:
+            raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        T = min(self.spec, self.max_len - 1 - top) + 1
+        bsz = len(slots)
+        if bsz > self.spec_rows:
+            raise OcriaError(f"{bsz} speculative rows, but the runner holds {self.spec_rows}")
+        meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
+        tok, sl, ln, dl = meta
+        inp = torch.cat([tok[:, None], self.drafts[sl, :T - 1]], 1)                      # [B, T]
+        scratch = self._scratch(T)
+        span = 0 if self.kernels else top + T
+        logits, hidden = self.model.verify(inp, sl, ln, dl, self.state, scratch, span)
+        target = logits.argmax(-1)                                                        # [B, T]
+        n = (inp[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)                       # drafts accepted
+        if clock:
+            clock("verify")
+        self.model.commit(self.state, scratch, sl, n + 1)  # the single commit call site (gdn_commit with kernels)
+        if clock:
+            clock("commit")
+        # The MTP over all T verified positions (fixed shape): rows past a row's n write KV entries at
+        # positions the chain or the next step rewrites before any query reads them.
+        ahead = torch.arange(T, device=self.device)
+        e, step = self.model.step(target.reshape(-1), sl.repeat_interleave(T), (ln[:, None] + ahead).reshape(-1),
+                                  dl.repeat_interleave(T), span)
+        h = self.mtp.decode(e, hidden.reshape(bsz * T, -1), self.mtp_state, step).unflatten(0, (bsz, T))
+        rows = torch.arange(bsz, device=self.device)
+        self._chain(h[rows, n], sl, ln + n + 1, dl, 0 if self.kernels else min(self.max_len, top + T + self.spec))
+        if clock:
+            clock("draft")
+        return PendingSpec(target, n)
+
+
+class PendingSpec:
+    """A speculative step's tokens: get() returns each row's accepted tokens as lists."""
+
+    def __init__(self, target: torch.Tensor, n: torch.Tensor):
+        self._target, self._n = target, n
+
+    def get(self) -> list[list[int]]:
+        target, n = self._target.tolist(), self._n.tolist()
+        return [row[:k + 1] for row, k in zip(target, n)]
 
 
 class PendingTokens:

@@ -248,3 +248,27 @@ def step_inputs_ref(tokens, slots, lengths, deltas, embed, rotary, dtype) -> tup
     pos = (lengths + deltas)[None].expand(3, -1)
     cos, sin = rotary(torch.empty(0, dtype=dtype, device=tokens.device), pos[:, None, :])
     return (F.embedding(tokens, embed), cos[0], sin[0], slots.to(torch.int32), lengths.to(torch.int32))
+
+
+def gdn_verify_ref(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, norm_weight, state, slots,
+                   num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6, accepted=None,
+                   dtype=torch.float64):
+    """Speculative verify then commit, as T sequential gdn_decode_ref steps in `dtype` (the recurrent state
+    carried in `dtype` between steps): qkv [B, T, C], z [B, T, HV·V], a, b [B, T, HV]. Returns (out
+    [B, T, HV·V], conv_state, state): every position's output, and the buffers as if each row had decoded only
+    its first accepted[b] tokens (all T where accepted is None; padding rows, slot < 0, touch nothing). The
+    inputs are not touched; the state comes back in `dtype`, the conv state in its own dtype."""
+    bsz, T = qkv.shape[:2]
+    n = [T] * bsz if accepted is None else [int(v) for v in accepted.tolist()]
+    conv_live, state_live = conv_state.clone(), state.to(dtype, copy=True)
+    conv_out, state_out = conv_state.clone(), state.to(dtype, copy=True)
+    outs = []
+    for t in range(T):
+        o, conv_live, state_live = gdn_decode_ref(qkv[:, t], z[:, t], a[:, t], b[:, t], conv_live, conv_weight, A_log,
+                                                  dt_bias, norm_weight, state_live, slots, num_k_heads, head_k_dim,
+                                                  head_v_dim, eps, dtype)
+        outs.append(o)
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0 and n[i] == t + 1:
+                conv_out[s], state_out[s] = conv_live[s], state_live[s]
+    return torch.stack(outs, 1), conv_out, state_out

@@ -6,13 +6,13 @@ Each layer is built knowing its backend: `kernels` (config.Kernels) on its Linea
 backend, None for torch. The torch path runs the ops transformers runs, in the same dtype, so
 greedy tokens match transformers' (tests); the kernel path runs decode steps through
 runtime/kernels/, imported only when it runs (the torch backend needs no Triton). Prefill is
-torch on both."""
+torch on both (FP8 prefill GEMMs excepted, linear.py), run as chunks of requests (step.Chunk)."""
 
 from .attention import Attention
 from .gdn import GatedDeltaNet
 from .linear import FusedLinear, QuantLinear
 from .mlp import MLP
 from .norm import RMSNorm, gated_rmsnorm
-from .step import Step
+from .step import Chunk, Step
 
-__all__ = ["MLP", "Attention", "FusedLinear", "GatedDeltaNet", "QuantLinear", "RMSNorm", "Step", "gated_rmsnorm"]
+__all__ = ["MLP", "Attention", "Chunk", "FusedLinear", "GatedDeltaNet", "QuantLinear", "RMSNorm", "Step", "gated_rmsnorm"]

@@ -9,7 +9,7 @@ from torch import nn
 
 from .linear import FusedLinear, QuantLinear
 from .norm import RMSNorm
-from .step import Step
+from .step import Chunk, Step
 
 
 class Attention(nn.Module):
@@ -46,21 +46,35 @@ class Attention(nn.Module):
             return self.qkv_proj(x, x_q)
         return self.q_proj(x, x_q), self.k_proj(x, x_q), self.v_proj(x, x_q)
 
-    def prefill(self, x, state, slot: int, cos, sin):
-        """x [T, D]; cos/sin [T, rot]."""
+    def prefill(self, x, state, chunks: list[Chunk], cos, sin):
+        """x [sum n, D]: the rows of several requests' prefill chunks (GatedDeltaNet.prefill);
+        cos / sin [sum n, rot]. Each chunk writes its keys and values at [start, start + n) of its
+        slot's cache and attends to the slot's first start + n positions, causally."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-        n = x.shape[0]
+        total, hd = x.shape[0], self.head_dim
         qg, k, v = self._project(x)
-        q, gate = torch.chunk(qg.reshape(n, -1, self.head_dim * 2), 2, dim=-1)
-        q = self.q_norm(q).transpose(0, 1)                                     # [heads, T, hd]
-        k = self.k_norm(k.reshape(n, -1, self.head_dim)).transpose(0, 1)
-        v = v.reshape(n, -1, self.head_dim).transpose(0, 1)
+        q, gate = torch.chunk(qg.reshape(total, -1, hd * 2), 2, dim=-1)
+        q = self.q_norm(q).transpose(0, 1)                                     # [heads, sum n, hd]
+        k = self.k_norm(k.reshape(total, -1, hd)).transpose(0, 1)
+        v = v.reshape(total, -1, hd).transpose(0, 1)
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=-3)
-        state["k"][slot, :, :n] = k
-        state["v"][slot, :, :n] = v
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
-        return self.o_proj(o.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1)))
+        outs, row = [], 0
+        for c in chunks:
+            rows, end = slice(row, row + c.n), c.start + c.n
+            row += c.n
+            state["k"][c.slot, :, c.start:end] = k[:, rows]
+            state["v"][c.slot, :, c.start:end] = v[:, rows]
+            if c.start == 0:  # the chunk is all there is: plain causal attention (flash on a GPU)
+                o = F.scaled_dot_product_attention(q[None, :, rows], k[None, :, rows], v[None, :, rows],
+                                                   is_causal=True, enable_gqa=True)[0]
+            else:  # query i sits at start + i and sees the cache up to there
+                keys, vals = state["k"][c.slot, :, :end], state["v"][c.slot, :, :end]
+                seen = torch.arange(end, device=x.device)[None] <= c.start + torch.arange(c.n, device=x.device)[:, None]
+                o = F.scaled_dot_product_attention(q[None, :, rows], keys[None], vals[None], attn_mask=seen,
+                                                   enable_gqa=True)[0]
+            outs.append(o.transpose(0, 1).reshape(c.n, -1))
+        return self.o_proj(torch.cat(outs) * torch.sigmoid(gate.reshape(total, -1)))
 
     def decode(self, x, state, step: Step, x_q: tuple | None = None, partials: bool = False):
         """x [B, D]: one token per slot at position lengths[b] of its cache (partials: as

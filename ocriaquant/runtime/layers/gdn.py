@@ -13,7 +13,7 @@ from torch import nn
 
 from .linear import FusedLinear, QuantLinear
 from .norm import gated_rmsnorm
-from .step import Step
+from .step import Chunk, Step
 
 
 def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -116,19 +116,36 @@ class GatedDeltaNet(nn.Module):
         o = gated_rmsnorm(core.reshape(-1, self.V), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(*x.shape[:-1], -1))
 
-    def prefill(self, x: torch.Tensor, state: dict, slot: int) -> torch.Tensor:
-        """x [T, D] of one request -> [T, D]; writes the slot's conv and recurrent state."""
+    def prefill(self, x: torch.Tensor, state: dict, chunks: list[Chunk]) -> torch.Tensor:
+        """x [sum n, D]: the rows of several requests' prefill chunks, one after another ->
+        [sum n, D]. A chunk that starts at 0 begins from zero history; one that starts later
+        continues from its slot's conv and recurrent state. Each writes its slot's state back.
+        The projections run over all rows at once; the conv and the delta rule per chunk."""
         p = self._proj(x)
-        mixed = p["in_proj_qkv"].T  # [C, T]
-        padded = F.pad(mixed, (self.kernel - 1, 0))                                  # zero history
-        state["conv"][slot].copy_(padded[:, -(self.kernel - 1):])
-        mixed = depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None]).T  # [T, C]
-        q, k, v, g, beta = self._qkv_gates(p, mixed)
-        core, final = chunk_rule(self.kernels is not None and x.is_cuda)(
-            q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=None, output_final_state=True,
-            use_qk_l2norm_in_kernel=True)
-        state["ssm"][slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
-        return self._out(core[0].to(x.dtype), x, p)
+        rule = chunk_rule(self.kernels is not None and x.is_cuda)
+        cores, row = [], 0
+        for c in chunks:
+            rows = slice(row, row + c.n)
+            row += c.n
+            mixed = p["in_proj_qkv"][rows].T  # [C, n]
+            history = state["conv"][c.slot] if c.start else mixed.new_zeros(mixed.shape[0], self.kernel - 1)
+            padded = torch.cat([history, mixed], dim=1)
+            state["conv"][c.slot].copy_(padded[:, -(self.kernel - 1):])
+            mixed = self._conv(padded).T  # [n, C]
+            q, k, v, g, beta = self._qkv_gates({n: t[rows] for n, t in p.items()}, mixed)
+            initial = state["ssm"][c.slot].transpose(-1, -2)[None].contiguous() if c.start else None
+            core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
+                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+            state["ssm"][c.slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
+            cores.append(core[0].to(x.dtype))
+        return self._out(torch.cat(cores), x, p)
+
+    def _conv(self, padded: torch.Tensor) -> torch.Tensor:
+        """silu(depthwise causal conv) of [C, kernel - 1 + n] columns -> [C, n]. On a GPU cuDNN's
+        depthwise conv1d; on the CPU the written-out sum (depthwise_causal_conv_silu says why)."""
+        if padded.is_cuda:
+            return F.silu(F.conv1d(padded[None], self.conv_weight[:, None], groups=padded.shape[0])[0])
+        return depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None])
 
     def decode(self, x: torch.Tensor, state: dict, step: Step, x_q: tuple | None = None, partials: bool = False):
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place. partials:
@@ -158,3 +175,79 @@ class GatedDeltaNet(nn.Module):
                                                      use_qk_l2norm_in_kernel=True)
         state["ssm"].index_copy_(0, slots, new.transpose(-1, -2).contiguous())
         return self._out(core[:, 0], x, p)
+
+    # --- speculative decoding (#55): verify T tokens per row, then commit each row's accepted prefix ---------
+
+    def alloc_scratch(self, rows: int, tokens: int, device, dtype):
+        """What verify keeps for commit, for up to `rows` rows of `tokens` (= k + 1) positions, indexed by
+        row (not slot): the conv window [rows, kernel-1+tokens, C] (the slot's conv state, then the new
+        columns) and the states after tokens 1 … tokens-1 [rows, tokens-1, HV, V, K] fp32 (the state after
+        the last token goes into the slot): a dict of the two. With kernels, kernels/gdn_verify's
+        SpecScratch of its "replay" design instead: each token's k, v and gates, ~1/64 of a state a
+        token at the 4B (where "states" would hold 2 MiB a token and row, 12 GiB at 64 rows and k = 4),
+        the slot keeping its state until commit replays the accepted prefix — fewer bytes moved too."""
+        if self.kernels:
+            from ..kernels.gdn_verify import spec_scratch
+
+            return spec_scratch("replay", rows, tokens, self.H, self.K, self.HV, self.V, self.kernel, device, dtype)
+        return {"window": torch.zeros(rows, self.kernel - 1 + tokens, self.conv_dim, dtype=dtype, device=device),
+                "states": torch.zeros(rows, tokens - 1, self.HV, self.V, self.K, dtype=torch.float32, device=device)}
+
+    def verify(self, x: torch.Tensor, state: dict, step: Step, slots: torch.Tensor, scratch,
+               x_q: tuple | None = None) -> torch.Tensor:
+        """x [B·T, D]: T tokens per row, row b's at rows b·T … b·T+T-1, continuing its slot's state
+        (slots [B], one per row; `step` is the flattened rows' Step, its slots32 unused here) ->
+        [B·T, D], each token's output exactly as T sequential decode steps give it. Leaves in `scratch`
+        (alloc_scratch) what commit needs to roll back to any prefix, the slot's conv state untouched and
+        its recurrent state after all T tokens (torch) or untouched (kernels' replay design): only commit's
+        result is the contract. x_q: as decode's."""
+        bsz = slots.shape[0]
+        T = x.shape[0] // bsz
+        p = self._proj(x, x_q)
+        if self.kernels:  # one launch for the T conv + delta-rule updates of every row (kernels/gdn_verify.py)
+            from ..kernels.gdn_verify import gdn_verify
+
+            o = gdn_verify(*(p[n].unflatten(0, (bsz, T)) for n in self.INPUTS), state["conv"], self.conv_weight,
+                           self.A_log, self.dt_bias, self.norm_weight, state["ssm"], slots.to(torch.int32), scratch,
+                           self.H, self.K, self.V, self.eps, pdl=self.kernels.pdl)
+            return self.out_proj(o.reshape(bsz * T, -1))
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+        qkv = p["in_proj_qkv"].unflatten(0, (bsz, T))                              # [B, T, C]
+        window = torch.cat([state["conv"][slots], qkv.transpose(1, 2)], dim=-1)    # [B, C, kernel-1+T]
+        scratch["window"][:bsz] = window.transpose(1, 2)
+        mixed = depthwise_causal_conv_silu(window.unfold(2, self.kernel, 1), self.conv_weight[:, None])  # [B, C, T]
+        q, k, v, g, beta = self._qkv_gates({n: t.unflatten(0, (bsz, T)) for n, t in p.items()}, mixed.transpose(1, 2))
+        s = state["ssm"][slots]  # [B, HV, V, K]
+        cores = []
+        for t in range(T):  # token by token as decode runs them: the same function on the same inputs, laid
+            tt = slice(t, t + 1)  # out alike (a [V, K] state seen as [K, V]: its sums' order depends on it)
+            core, new = torch_recurrent_gated_delta_rule(q[:, tt], k[:, tt], v[:, tt], g=g[:, tt], beta=beta[:, tt],
+                                                         initial_state=s.transpose(-1, -2), output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=True)
+            s = new.transpose(-1, -2).contiguous()
+            if t < T - 1:
+                scratch["states"][:bsz, t] = s
+            cores.append(core)
+        state["ssm"].index_copy_(0, slots, s)
+        return self._out(torch.cat(cores, 1).flatten(0, 1), x, p)
+
+    def commit(self, state: dict, scratch, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After verify with the same rows and scratch: each row's slot as if exactly accepted[b] ∈ [1, T]
+        of its T tokens had been decoded (a copy from the scratch, never a recompute). accepted: [B] on
+        the device."""
+        if self.kernels:
+            from ..kernels.gdn_verify import gdn_commit
+
+            gdn_commit(scratch, state["conv"], state["ssm"], slots.to(torch.int32), accepted.to(torch.int32),
+                       self.H, self.K, self.V)
+            return
+        bsz = slots.shape[0]
+        rows = torch.arange(bsz, device=slots.device)
+        T = scratch["window"].shape[1] - (self.kernel - 1)
+        n = accepted.clamp(1, T)
+        if T > 1:  # the slot holds the state after all T; rows that took fewer get theirs from the scratch
+            kept = scratch["states"][rows, (n - 1).clamp(max=T - 2)]
+            state["ssm"].index_copy_(0, slots, torch.where((n < T)[:, None, None, None], kept, state["ssm"][slots]))
+        cols = n[:, None] + torch.arange(self.kernel - 1, device=slots.device)[None]   # window columns n … n+kernel-2
+        state["conv"].index_copy_(0, slots, scratch["window"][rows[:, None], cols].transpose(1, 2).contiguous())

@@ -20,7 +20,8 @@ class QuantLinear(nn.Module):
     (exactly compressed-tensors' decompression) and, for W8A8 / W4A4, fake-quantized inputs,
     which is what transformers does with the same checkpoint. With `kernels` (the triton
     backend) decode-sized BF16 inputs go through the weight-streaming GEMVs, which read the packed
-    tensors, at the tiles of its kernels.tiles (runtime/tiles.py)."""
+    tensors, at the tiles of its kernels.tiles (runtime/tiles.py), and FP8 prefill rows run W8A8
+    on the tensor cores (forward_w8a8)."""
 
     def __init__(self, kind: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  global_scale: torch.Tensor | None = None, input_global_scale: torch.Tensor | None = None,
@@ -38,6 +39,7 @@ class QuantLinear(nn.Module):
         elif kind == "fp8":
             self.register_buffer("w_q", weight)
             self.register_buffer("w_scale", scale)
+            self.register_buffer("w_scale_row", scale.float().reshape(1, -1))  # what _scaled_mm takes
             w = fp8.dequantize(weight, scale).to(dtype)
         else:
             self.register_buffer("w_packed", weight)
@@ -100,6 +102,8 @@ class QuantLinear(nn.Module):
         if self.uses_kernels(x):
             y = self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q, partials)
             return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)
+        if self.kind == "fp8" and self.kernels is not None and x.dtype == torch.bfloat16:
+            return self.forward_w8a8(x)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
@@ -136,6 +140,18 @@ class QuantLinear(nn.Module):
         return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale,
                           x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), partials=partials, pdl=pdl,
                           **self.tile())
+
+    def forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill rows, FP8: per-token E4M3 activations (quant_fp8_per_token: the numerics of
+        fp8.fake_quant_activation) times the E4M3 weight on the tensor cores, both scales applied
+        to the fp32 sums (torch._scaled_mm, rowwise) — the W8A8 product the checkpoint defines,
+        at twice the BF16 rate on Hopper (BENCHMARKS.md)."""
+        from ..kernels.gemv_fp8 import quant_fp8_per_token
+
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        q, s = quant_fp8_per_token(rows, pdl=self.kernels.pdl)
+        y = torch._scaled_mm(q, self.w_q.t(), scale_a=s, scale_b=self.w_scale_row, out_dtype=x.dtype)
+        return y.reshape(*x.shape[:-1], -1)
 
     def _m1(self) -> tuple | None:
         if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls

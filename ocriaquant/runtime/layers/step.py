@@ -1,4 +1,4 @@
-"""The per-step batch metadata every decode layer reads."""
+"""The per-step batch metadata every layer reads: Step for a decode step, Chunk for a prefill pass."""
 
 from __future__ import annotations
 
@@ -17,3 +17,12 @@ class Step:
     slots32: torch.Tensor        # int32 copies, what the kernels take
     lengths32: torch.Tensor
     span: int = 0                # torch backend only: max(lengths) + 1 (a host sync)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's share of a prefill pass: n prompt tokens from position `start`, into `slot`.
+    A pass runs several chunks' rows concatenated (ModelRunner.prefill_chunks)."""
+    slot: int
+    start: int
+    n: int

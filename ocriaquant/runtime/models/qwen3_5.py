@@ -1,19 +1,35 @@
 """The Qwen3.5 text decoder assembled from a tensor store, plus transformers' vision tower in
-BF16: prefill of one request and the per-layer decode forward. The state buffers it reads and
+BF16: prompts encoded (vision tower, embeddings, M-RoPE positions), prefill passes over chunks of
+several prompts, and the per-layer decode forward. The state buffers it reads and
 writes belong to the caller (ModelRunner)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...errors import OcriaError
 from ..config import Kernels
-from ..layers import MLP, Attention, GatedDeltaNet, QuantLinear, RMSNorm, Step
+from ..layers import MLP, Attention, Chunk, GatedDeltaNet, QuantLinear, RMSNorm, Step
 from ..load import TEXT, read_linear
 
 GDN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class Prompt:
+    """A request ready for prefill: its embeddings [T, D] (image features in place), M-RoPE
+    positions [3, T] and the delta its decode positions are offset by."""
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    delta: int
+
+    @property
+    def length(self) -> int:
+        return self.embeds.shape[0]
 
 
 class _RopeIndex:
@@ -137,38 +153,84 @@ class Qwen3_5(nn.Module):
         return cos[0], sin[0]
 
     @torch.no_grad()
-    def prefill(self, enc: dict, state: list[dict], slot: int) -> tuple[torch.Tensor, int]:
-        """One processed request (processor output, batch of 1) into `slot` of `state`. Returns
-        the logits of its last position and the M-RoPE delta its decode positions are offset by."""
+    def encode(self, encs: list[dict]) -> list[Prompt]:
+        """Processed requests (processor outputs, batch of 1 each) -> their prompts: embeddings
+        with the image features in place, M-RoPE positions and delta. The pages' patches go
+        through the vision tower in one call (its attention stays within each image)."""
         device = self.embed.weight.device
-        ids = enc["input_ids"][0].to(device)
-        x = self.embed(ids)
-        if "pixel_values" in enc:
-            grid = enc["image_grid_thw"].to(device)
-            img = self.visual(enc["pixel_values"].to(device, self.dtype), grid_thw=grid, return_dict=True).pooler_output
-            mask = ids == self.config.image_token_id
-            if int(mask.sum()) != img.shape[0]:
-                raise OcriaError(f"{int(mask.sum())} image tokens but {img.shape[0]} image features")
-            x = x.clone()
-            x[mask] = img.to(x.dtype)
-            pos, delta = self.rope_index(ids[None], enc["mm_token_type_ids"].to(device), grid)
-            pos, delta = pos[:, 0], int(delta.reshape(-1)[0])
-            if delta > 0 and self.kernels:  # image positions take at most one per token: delta <= 0
-                raise OcriaError(f"an M-RoPE delta of {delta} > 0: decode positions would pass the runtime's "
-                                 f"rope tables ({self._rope_cos.shape[0]} positions); this is not a Qwen3.5 "
-                                 "position layout")
-        else:
-            pos, delta = torch.arange(ids.numel(), device=device)[None].expand(3, -1), 0
-        cos, sin = self.rope(pos)
+        ids = [e["input_ids"][0].to(device) for e in encs]
+        with_img = [i for i, e in enumerate(encs) if "pixel_values" in e]
+        feats = {}
+        if with_img:
+            grid = torch.cat([encs[i]["image_grid_thw"] for i in with_img]).to(device)
+            pixels = torch.cat([encs[i]["pixel_values"] for i in with_img]).to(device, self.dtype)
+            img = self.visual(pixels, grid_thw=grid, return_dict=True).pooler_output
+            merge = self.config.vision_config.spatial_merge_size ** 2
+            sizes = [int(encs[i]["image_grid_thw"].prod(-1).sum()) // merge for i in with_img]
+            feats = dict(zip(with_img, img.split(sizes)))
+        prompts = []
+        for i, (enc, tok) in enumerate(zip(encs, ids)):
+            x = self.embed(tok)
+            if i in feats:
+                grid = enc["image_grid_thw"].to(device)
+                mask = tok == self.config.image_token_id
+                if int(mask.sum()) != feats[i].shape[0]:
+                    raise OcriaError(f"{int(mask.sum())} image tokens but {feats[i].shape[0]} image features")
+                x[mask] = feats[i].to(x.dtype)
+                pos, delta = self.rope_index(tok[None], enc["mm_token_type_ids"].to(device), grid)
+                pos, delta = pos[:, 0], int(delta.reshape(-1)[0])
+                if delta > 0 and self.kernels:  # image positions take at most one per token: delta <= 0
+                    raise OcriaError(f"an M-RoPE delta of {delta} > 0: decode positions would pass the runtime's "
+                                     f"rope tables ({self._rope_cos.shape[0]} positions); this is not a Qwen3.5 "
+                                     "position layout")
+            else:
+                pos, delta = torch.arange(tok.numel(), device=device)[None].expand(3, -1), 0
+            prompts.append(Prompt(x, pos, delta))
+        return prompts
+
+    @torch.no_grad()
+    def prefill(self, parts: list[tuple[Prompt, Chunk]], state: list[dict]) -> torch.Tensor:
+        """One prefill pass over chunks of several prompts (each chunk: positions [start, start +
+        n) of its prompt, into its slot of `state`, continuing what earlier chunks left there),
+        their rows run as one batch through the Linears. Returns the logits of each chunk's last
+        position [chunks, vocab]."""
+        x = self.prefill_hidden(parts, state)
+        last = torch.tensor([c.n for _, c in parts], device=x.device).cumsum(0) - 1
+        return self.lm_head(self.norm(x[last]))
+
+    @torch.no_grad()
+    def prefill_hidden(self, parts: list[tuple[Prompt, Chunk]], state: list[dict]) -> torch.Tensor:
+        """prefill's pass without the head: the residual stream after the last layer, every row
+        [sum n, D] (speculative decoding's MTP reads all of them, normed)."""
+        chunks = [c for _, c in parts]
+        x = torch.cat([p.embeds[c.start:c.start + c.n] for p, c in parts])
+        cos, sin = self.rope(torch.cat([p.positions[:, c.start:c.start + c.n] for p, c in parts], dim=1))
         for layer, st in zip(self.layers, state):
             h = layer.input_layernorm(x)
             if isinstance(layer.mixer, Attention):
-                h = layer.mixer.prefill(h, st, slot, cos, sin)
+                h = layer.mixer.prefill(h, st, chunks, cos, sin)
             else:
-                h = layer.mixer.prefill(h, st, slot)
+                h = layer.mixer.prefill(h, st, chunks)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x[-1:]))[0], delta
+        return x
+
+    def step(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
+             span: int = 0) -> tuple[torch.Tensor, Step]:
+        """Decode-style rows' inputs: the tokens' embeddings [B, D] and the Step every layer reads
+        (row b at position lengths[b] of its slot; several rows may share a slot at consecutive
+        positions: attention writes all their keys before any row reads, so each sees the ones
+        before it). With kernels one step_inputs launch."""
+        if self.kernels:
+            from ..kernels.step_inputs import step_inputs
+
+            x, *meta = step_inputs(tokens, slots, lengths, deltas, self.embed.weight, self._rope_cos, self._rope_sin,
+                                   pdl=self.kernels.pdl)
+        else:
+            from ..kernels.reference import step_inputs_ref
+
+            x, *meta = step_inputs_ref(tokens, slots, lengths, deltas, self.embed.weight, self.rotary, self.dtype)
+        return x, Step(slots, lengths, *meta, span)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
@@ -179,31 +241,73 @@ class Qwen3_5(nn.Module):
         Each residual add is fused with the norm after it (add_rmsnorm: with kernels also the
         form the next GEMVs read, and the GEMV's split-K partial sums added up on the way in,
         kernels/partials.py); the torch path runs the same sequence through the references."""
+        x, step = self.step(tokens, slots, lengths, deltas, span)
+        n, n_q = self._rows(x, step, state)
+        return self.lm_head(n, *n_q)
+
+    def _rows(self, x: torch.Tensor, step: Step, state: list[dict], scratch: list | None = None,
+              slots: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+        """The decoder over decode-style rows (step) -> the final norm's output [R, D] and the form
+        the head's GEMV reads. With `scratch` (speculative verify: R = B·T rows, T per row of `slots`)
+        the GDN layers run verify (GatedDeltaNet.verify) instead of decode."""
         if self.kernels:
             from ..kernels.add_rmsnorm import add_rmsnorm
-            from ..kernels.step_inputs import step_inputs
 
             pdl = self.kernels.pdl
-            # one launch for the embedding, cos / sin and the int32 ids
-            x, *meta = step_inputs(tokens, slots, lengths, deltas, self.embed.weight, self._rope_cos, self._rope_sin,
-                                   pdl=pdl)
 
             def norm(x, h, norm, quant):
                 return add_rmsnorm(x, h, norm.weight, norm.eps, quant, pdl=pdl)
         else:
-            from ..kernels.reference import add_rmsnorm_ref, step_inputs_ref
-
-            x, *meta = step_inputs_ref(tokens, slots, lengths, deltas, self.embed.weight, self.rotary, self.dtype)
+            from ..kernels.reference import add_rmsnorm_ref
 
             def norm(x, h, norm, quant):
                 return add_rmsnorm_ref(x, h, norm.weight, norm.eps)
-        step = Step(slots, lengths, *meta, span)
         partials = self.kernels is not None  # a batch-1 GEMV may hand add_rmsnorm its splits unreduced
         h = None
-        for layer, st, (mixer_q, mlp_q) in zip(self.layers, state, self.norm_quant):
+        for i, (layer, st, (mixer_q, mlp_q)) in enumerate(zip(self.layers, state, self.norm_quant)):
             x, n, *n_q = norm(x, h, layer.input_layernorm, mixer_q)
-            h = layer.mixer.decode(n, st, step, *n_q, partials=partials)
+            if scratch is not None and isinstance(layer.mixer, GatedDeltaNet):
+                h = layer.mixer.verify(n, st, step, slots, scratch[i], *n_q)
+            else:
+                h = layer.mixer.decode(n, st, step, *n_q, partials=partials)
             x, n, *n_q = norm(x, h, layer.post_attention_layernorm, mlp_q)
             h = layer.mlp(n, *n_q, partials=partials)
         _, n, *n_q = norm(x, h, self.norm, self.head_quant)
-        return self.lm_head(n, *n_q)
+        return n, n_q
+
+    # --- speculative decoding (#55) ----------------------------------------------------------------
+
+    def alloc_scratch(self, rows: int, tokens: int, device) -> list:
+        """Per layer, what a verify of `tokens` positions for up to `rows` rows keeps for its commit
+        (GatedDeltaNet.alloc_scratch; None for attention layers, whose rollback is an index)."""
+        return [layer.mixer.alloc_scratch(rows, tokens, device, self.dtype)
+                if isinstance(layer.mixer, GatedDeltaNet) else None for layer in self.layers]
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
+               state: list[dict], scratch: list, span: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score T tokens per row in one pass: tokens [B, T] (the last accepted token, then the
+        drafts) at positions lengths[b] … lengths[b]+T-1 of slot slots[b]. Attention treats each
+        (row, position) as its own decode row on the row's slot (all T keys written, each query
+        seeing its slot's cache up to its own position); Linears and MLPs run the B·T rows at once;
+        GDN layers run their verify, keeping in `scratch` (alloc_scratch) what commit needs.
+        Returns the logits [B, T, vocab] and the final norm's output [B, T, D] (what the MTP reads).
+        Until commit the slots' KV caches hold all T tokens, their GDN states are the verify's business."""
+        bsz, T = tokens.shape
+        ahead = torch.arange(T, device=tokens.device)
+
+        def rows(t):  # each row's value T times, materialized (the kernels read contiguous int tensors)
+            return t.repeat_interleave(T)
+
+        x, step = self.step(tokens.reshape(-1), rows(slots), (lengths[:, None] + ahead).reshape(-1), rows(deltas), span)
+        n, n_q = self._rows(x, step, state, scratch, slots)
+        return self.lm_head(n, *n_q).unflatten(0, (bsz, T)), n.unflatten(0, (bsz, T))
+
+    @torch.no_grad()
+    def commit(self, state: list[dict], scratch: list, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After verify: each row's GDN states as if only its first accepted[b] tokens had run
+        (GatedDeltaNet.commit). The KV caches need nothing: entries past a row's length are
+        rewritten before any query reads them."""
+        for layer, st, sc in zip(self.layers, state, scratch):
+            if sc is not None:
+                layer.mixer.commit(st, sc, slots, accepted)

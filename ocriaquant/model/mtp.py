@@ -1,0 +1,115 @@
+"""Qwen3.5's multi-token-prediction (MTP) layer, with the checkpoint's `mtp.*` tensor names.
+
+A Qwen3.5 checkpoint carries one MTP layer beside the model (`text_config.mtp_num_hidden_layers`
+= 1). transformers does not load it (`_keys_to_ignore_on_load_unexpected = ["^mtp.*"]`); vLLM's
+`Qwen3_5MTP` (vllm/model_executor/models/qwen3_5_mtp.py) drafts with it, and so will our runtime's
+speculative decoding (#55). At position t it takes the main model's last hidden state h_t (after
+the final norm: what the model returns) and the embedding of token t+1, and predicts token t+2:
+
+    x = fc(cat(pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)))   # 2H -> H, no bias
+    x = layers[0](x)             # a full-attention decoder layer (gated attention + MLP), causal
+    logits_{t+2} = lm_head(norm(x))   # the model's own (tied) embedding and head
+
+Names, exactly as vLLM loads them: mtp.fc.weight, mtp.pre_fc_norm_embedding.weight,
+mtp.pre_fc_norm_hidden.weight, mtp.layers.0.{input_layernorm, post_attention_layernorm}.weight,
+mtp.layers.0.self_attn.{q_proj, k_proj, v_proj, o_proj, q_norm, k_norm}.weight,
+mtp.layers.0.mlp.{gate_proj, up_proj, down_proj}.weight, mtp.norm.weight. The norms are Qwen3.5's
+zero-centred RMSNorm (x * (1 + w)), as everywhere in the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MTP_SHARD = "model-mtp.safetensors"
+
+
+def mtp_text_config(text_config):
+    """The text config of the MTP layer: one full-attention layer of the model's shapes."""
+    cfg = copy.deepcopy(text_config)
+    cfg.num_hidden_layers = 1
+    cfg.layer_types = ["full_attention"]
+    return cfg
+
+
+class Qwen35MTP(nn.Module):
+    """One MTP layer; `forward` gives the hidden states its (shared) LM head reads."""
+
+    def __init__(self, text_config):
+        super().__init__()
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+        h, eps = text_config.hidden_size, text_config.rms_norm_eps
+        cfg = mtp_text_config(text_config)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps=eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps=eps)
+        self.layers = nn.ModuleList([Qwen3_5DecoderLayer(cfg, 0)])
+        self.norm = Qwen3_5RMSNorm(h, eps=eps)
+        std = getattr(text_config, "initializer_range", 0.02)
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, std=std)
+
+    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """next_embeds [B, L, H]: embeddings of tokens 1..L (input position t holds token t+1);
+        hidden [B, L, H]: the model's final hidden states at 0..L-1; position_embeddings: the
+        model's rotary (cos, sin) for positions 0..L-1. Returns [B, L, H], position t predicting token t+2.
+        Causal over the sequence (no mask: transformers' SDPA path is causal without one)."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        for layer in self.layers:
+            x = layer(x, position_embeddings=position_embeddings, attention_mask=None, position_ids=None)
+        return self.norm(x)
+
+    def checkpoint_tensors(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        return {f"mtp.{k}": v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+
+
+def save_mtp(model_dir: Path, mtp: Qwen35MTP, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Write the MTP layer into a saved model directory as its own shard, listed in the index, and
+    record `mtp_num_hidden_layers` in config.json's text_config (as Qwen3.5 checkpoints do)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    tensors = mtp.checkpoint_tensors(dtype)
+    save_file(tensors, str(model_dir / MTP_SHARD), metadata={"format": "pt"})
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:  # one-file model: an index makes loaders see both files
+        with safe_open(str(model_dir / "model.safetensors"), "pt") as fh:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fh.keys()}}
+    index["weight_map"].update({k: MTP_SHARD for k in tensors})
+    index.setdefault("metadata", {})["total_size"] = sum(
+        f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("text_config", {})["mtp_num_hidden_layers"] = len(mtp.layers)
+    cfg["text_config"]["mtp_use_dedicated_embeddings"] = False
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return len(tensors)
+
+
+def load_mtp(model_dir: Path, text_config, dtype: torch.dtype = torch.float32) -> Qwen35MTP | None:
+    """The MTP layer of a model directory (None if it has no mtp.* tensors)."""
+    from safetensors import safe_open
+
+    state = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k.startswith("mtp."):
+                    state[k[len("mtp."):]] = fh.get_tensor(k)
+    if not state:
+        return None
+    mtp = Qwen35MTP(text_config)
+    mtp.load_state_dict(state)
+    return mtp.to(dtype)

@@ -1,0 +1,64 @@
+"""Chunked prefill: a prompt prefilled in chunks of any size, interleaved with other requests'
+decode steps and chunks, gives the tokens of a whole prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
+from ocriaquant.runtime.config import RuntimeConfig
+from ocriaquant.runtime.engine import Engine
+
+
+def _run(engine, encs, limits):
+    """Tokens by request, and the engine's calls in order: ("decode", rows) / ("prefill", chunks)."""
+    runner, calls = engine.runner, []
+    decode, prefill = runner.greedy_step, runner.prefill_chunks
+
+    def greedy_step(tokens, slots, *rest):
+        calls.append(("decode", len(slots)))
+        return decode(tokens, slots, *rest)
+
+    def prefill_chunks(parts):
+        calls.append(("prefill", [c for _, c in parts]))
+        return prefill(parts)
+
+    runner.greedy_step, runner.prefill_chunks = greedy_step, prefill_chunks
+    try:
+        res = list(engine.generate(list(zip(encs, limits)), max_batch=2))
+    finally:
+        del runner.greedy_step, runner.prefill_chunks
+    return {r.rid: r.tokens for r in res}, calls
+
+
+@pytest.mark.parametrize("which", ["bf16", "mixed"])
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(which, request):
+    """Three held-out pages of 371 prompt tokens, two slots: with a budget of 37 (off the delta
+    rule's 64-token chunks) every page spans eleven passes; a page is admitted
+    while the other slot decodes, and chunks of two pages share a pass. Tokens equal those of
+    whole-page prefills, which test_runtime checks against transformers."""
+    ckpt = None if which == "bf16" else request.getfixturevalue("mixed_checkpoint")
+    _, held = split_pages(load_pages(BUNDLED_PAGES).pages)
+    limits = [8, 12, 4]
+    whole = Engine(ckpt, RuntimeConfig(max_slots=2), prefill_budget=100_000)
+    encs = [whole.encode(p) for p in held[:3]]
+    n = encs[0]["input_ids"].shape[1]
+    assert all(e["input_ids"].shape[1] == n for e in encs) and n > 300
+    want, calls = _run(whole, encs, limits)
+    assert [len(want[i]) for i in range(3)] == limits
+    assert all(len(c[1]) <= 2 and all(ch.start == 0 and ch.n == n for ch in c[1]) for c in calls if c[0] == "prefill")
+    budget = 37
+    got, calls = _run(Engine(runner=whole.runner, processor=whole.processor, prefill_budget=budget), encs, limits)
+    assert got == want, which
+    passes = [c[1] for c in calls if c[0] == "prefill"]
+    assert all(sum(ch.n for ch in p) <= budget for p in passes)
+    assert sum(ch.n for p in passes for ch in p) == 3 * n  # every prompt token prefilled once
+    assert any(len(p) == 2 for p in passes)  # one page's last chunk and the next page's first
+    # a continuing chunk (start > 0) right after a decode step of the other slot: admission mid-decode
+    assert any(a[0] == "decode" and b[0] == "prefill" and any(ch.start > 0 for ch in b[1])
+               for a, b in zip(calls, calls[1:]))
+
+
+def test_prefill_budget_is_checked():
+    with pytest.raises(ValueError, match="prefill_budget"):
+        Engine(None, RuntimeConfig(max_slots=1), prefill_budget=0)

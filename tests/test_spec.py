@@ -1,0 +1,281 @@
+"""Speculative decoding (#55): the MTP drafts, a verify scores k+1 positions per row in one pass, a
+commit rolls each row back to its accepted prefix, and the tokens are exactly greedy decoding's.
+
+A tiny random Qwen3.5 (init std 0.1, so that greedy output varies) with a random MTP layer: its
+drafts are poor, so an oracle drafter (the MTP still runs, then its drafts are replaced by the true
+greedy continuation, some made wrong on purpose) drives every acceptance path — all k drafts, some,
+none — with rows of different accepted lengths in one batch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from ocriaquant.errors import OcriaError
+from ocriaquant.runtime.config import RuntimeConfig
+from ocriaquant.runtime.engine import Engine
+from ocriaquant.runtime.model_runner import ModelRunner
+
+PROMPTS = (9, 13, 11)  # prompt lengths, distinct: the oracle tells requests apart by them
+LIMITS = (23, 9, 17)
+
+
+@pytest.fixture(scope="module")
+def spec_dir(tmp_path_factory):
+    """A tiny Qwen3.5 with an MTP layer (model/mtp.py's save_mtp) and a processor."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from ocriaquant.model import tiny_config
+    from ocriaquant.model.mtp import Qwen35MTP, save_mtp
+    from ocriaquant.model.processor import save_processor
+    from ocriaquant.model.reference import reference_processor
+
+    out = tmp_path_factory.mktemp("tiny-mtp")
+    cfg = tiny_config()
+    cfg.initializer_range = cfg.text_config.initializer_range = 0.1
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(cfg)
+    model.save_pretrained(out)
+    save_processor(reference_processor(max_pixels=256 * 320), out)
+    save_mtp(out, Qwen35MTP(model.config.text_config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def requests():
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": torch.randint(0, 250, (1, n), generator=g)} for n in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def greedy(spec_dir, requests):
+    """Non-speculative greedy tokens per request, run to their limits (no EOS), and the engine."""
+    engine = Engine(spec_dir, RuntimeConfig(max_slots=2, max_len=64))
+    res = engine.generate(list(zip(requests, LIMITS)), max_batch=2, stop_at_eos=False)
+    return {r.rid: r.tokens for r in res}, engine
+
+
+def wrong_at(turn: int, k: int) -> int:
+    """Which draft (1 … k; k+1: none) the oracle spoils on a slot's `turn`-th drafting: by turns none
+    (all k accepted), one in the middle (some), the first (none), the last."""
+    return [k + 1, 1 + (turn // 4) % k, 1, k][turn % 4]
+
+
+def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[list[int]]:
+    """Make `runner` draft the true greedy continuation (spoiled per wrong_at) after its MTP has run;
+    returns the list each spec_step's accepted lengths are appended to."""
+    full = {r["input_ids"].shape[1]: r["input_ids"][0].tolist() + tokens[i] for i, r in enumerate(requests)}
+    owner, steps, turns = {}, [], {}
+    chain, prefill, step = runner._chain, runner.prefill_chunks, runner.spec_step
+    vocab = runner.hf_config.text_config.vocab_size
+
+    def prefill_chunks(parts):
+        owner.update({c.slot: p.length for p, c in parts if c.start == 0})
+        return prefill(parts)
+
+    def forced(h, slots, lengths, deltas, span):
+        chain(h, slots, lengths, deltas, span)  # the MTP runs and writes its cache as it would
+        k = runner.spec
+        rows = []
+        for s, n in zip(slots.tolist(), lengths.tolist()):
+            seq = full[owner[s]]
+            row = [seq[n + j] if n + j < len(seq) else 0 for j in range(1, k + 1)]
+            turns[s] = turns.get(s, -1) + 1
+            bad = wrong_at(turns[s] + s, k)  # slots out of step: rows of one batch accept differently
+            if bad <= k:
+                row[bad - 1] = (row[bad - 1] + 1) % vocab
+            rows.append(row)
+        runner.drafts[slots] = torch.tensor(rows, device=slots.device)
+
+    def spec_step(*args, **kw):
+        got = step(*args, **kw)
+        steps.append([len(t) for t in got.get()])
+        return got
+
+    runner._chain, runner.prefill_chunks, runner.spec_step = forced, prefill_chunks, spec_step
+    return steps
+
+
+def test_verify_then_commit_equals_sequential_decode(spec_dir):
+    """Verify T = 4 tokens on two slots, commit 3 and 1 (and 4 and 2): the GDN recurrent and conv
+    states equal those of that many decode steps, the KV prefix too, and every verified position's
+    logits equal the decode step's (bit for bit on the CPU)."""
+    rt = ModelRunner(spec_dir, RuntimeConfig(max_slots=3, max_len=40, spec=3))
+    ref = ModelRunner(spec_dir, RuntimeConfig(max_slots=3, max_len=40))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 250, (1, n), generator=g) for n in (8, 5)]
+    slots, lengths = torch.tensor([2, 0]), torch.tensor([8, 5])
+    tokens = torch.randint(0, 250, (2, 4), generator=g)
+    gdn = [i for i, layer in enumerate(rt.model.layers) if layer.mixer.__class__.__name__ == "GatedDeltaNet"]
+    attn = [i for i in range(len(rt.model.layers)) if i not in gdn]
+    for accepted in ([3, 1], [4, 2]):
+        for r in (rt, ref):
+            for s, p in zip(slots.tolist(), prompts):
+                r.prefill({"input_ids": p}, slot=s)
+        scratch = rt._scratch(4)
+        logits, hidden = rt.model.verify(tokens, slots, lengths, torch.zeros(2, dtype=torch.long), rt.state, scratch,
+                                         span=int(lengths.max()) + 4)
+        rt.model.commit(rt.state, scratch, slots, torch.tensor(accepted))
+        for b, (s, n) in enumerate(zip(slots.tolist(), accepted)):
+            for t in range(4):  # decode the row's tokens one by one on the reference runner
+                want = ref.decode(tokens[b, t:t + 1], torch.tensor([s]), lengths[b:b + 1] + t, torch.tensor([0]))
+                assert torch.equal(logits[b, t], want[0]), (accepted, b, t)
+                if t + 1 == n:
+                    kept = {i: {k: v[s].clone() for k, v in ref.state[i].items()} for i in gdn}
+            for i in gdn:  # the conv window exactly; the fp32 state to its last bits, as decode at another
+                # batch size gives it (the CPU's vectorized exp / softplus round a tensor's tail apart)
+                assert torch.equal(rt.state[i]["conv"][s], kept[i]["conv"]), (accepted, b, i)
+                torch.testing.assert_close(rt.state[i]["ssm"][s], kept[i]["ssm"], rtol=1e-5, atol=1e-6)
+            for i in attn:
+                end = int(lengths[b]) + n
+                assert torch.equal(rt.state[i]["k"][s, :, :end], ref.state[i]["k"][s, :, :end])
+        assert hidden.shape == (2, 4, rt.hf_config.text_config.hidden_size)
+
+
+def test_runtime_mtp_is_model_mtp(spec_dir):
+    """The runtime's MTP layer (models/mtp.py, on our own layers) computes what model/mtp.py's
+    Qwen35MTP (transformers' decoder layer, the math vLLM runs) computes from the same checkpoint,
+    in a prefill pass and as decode rows."""
+    from ocriaquant.model import load_config
+    from ocriaquant.model.mtp import load_mtp
+    from ocriaquant.runtime.layers import Chunk
+
+    rt = ModelRunner(spec_dir, RuntimeConfig(max_slots=1, max_len=32, spec=1))
+    ref = load_mtp(spec_dir, load_config(spec_dir).text_config, torch.bfloat16)
+    ref.layers[0].self_attn.config._attn_implementation = "sdpa"  # causal without a mask, as model/mtp.py says
+    g = torch.Generator().manual_seed(2)
+    dim = rt.hf_config.text_config.hidden_size
+    e, h = (torch.randn(10, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = rt.model.rope(torch.arange(10)[None].expand(3, -1))
+    with torch.no_grad():
+        want = ref(e[None], h[None], (cos[None], sin[None]))[0]
+    got = rt.mtp.prefill(e, h, rt.mtp_state, [Chunk(0, 0, 10)], cos, sin)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # the last 4 positions again as decode rows of slot 0, over the cache the prefill wrote
+    _, step = rt.model.step(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.arange(6, 10),
+                            torch.zeros(4, dtype=torch.long), span=10)
+    rows = rt.mtp.decode(e[6:], h[6:], rt.mtp_state, step)
+    torch.testing.assert_close(rows, want[6:], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_spec_tokens_equal_greedy_on_every_acceptance_path(k, spec_dir, requests, greedy):
+    """Three requests through two slots (one joins as another finishes), token limits and an EOS that
+    cut accepted runs mid-way: the tokens equal greedy decoding's; steps accepted all k drafts, some
+    and none, with rows of different accepted lengths in one step."""
+    tokens, base = greedy
+    stop = tokens[0][6]  # an EOS for request 0 a few tokens in (it may occur in the others too)
+    plain = Engine(runner=base.runner, processor=base.processor)
+    plain.eos = {stop}
+    want = {r.rid: r.tokens for r in plain.generate(list(zip(requests, LIMITS)), max_batch=2)}
+    assert want[0] == tokens[0][:7]
+    engine = Engine(spec_dir, RuntimeConfig(max_slots=2, max_len=64), processor=base.processor, spec=k)
+    engine.eos = {stop}
+    steps = oracle(engine.runner, requests, tokens)
+    res = list(engine.generate(list(zip(requests, LIMITS)), max_batch=2))
+    assert {r.rid: r.tokens for r in res} == want
+    assert k == 1 or any(r.verified > len(r.tokens) - 1 for r in res)  # a run cut by EOS or the limit mid-way
+    seen = {n for row in steps for n in row}
+    assert {1, k + 1} <= seen and (k == 1 or seen - {1, k + 1})
+    assert any(len(set(row)) > 1 for row in steps)
+    assert all(r.verifies > 0 and 1 <= r.accepted_length <= k + 1 for r in res)
+
+
+def test_spec_with_the_random_mtp_and_chunked_prefill(spec_dir, requests, greedy):
+    """The MTP's own (poor) drafts, scored by a cheaper head (FP8, the lowest 100 ids), prompts
+    prefilled in chunks of 5 tokens while the other slot decodes speculatively, and a cache just long
+    enough (rows near max_len verify fewer drafts): greedy's tokens."""
+    tokens, base = greedy
+    cfg = RuntimeConfig(max_slots=2, max_len=max(p + n for p, n in zip(PROMPTS, LIMITS)) - 1, draft_head="fp8",
+                        draft_vocab=100)
+    engine = Engine(spec_dir, cfg, processor=base.processor, spec=4, prefill_budget=5)
+    eos = engine.runner.hf_config.text_config.eos_token_id
+    assert engine.runner.draft_head.kind == "fp8" and engine.runner.draft_ids.tolist() == list(range(100)) + [eos]
+    calls = []
+    prefill = engine.runner.prefill_chunks
+    engine.runner.prefill_chunks = lambda parts: calls.append([c for _, c in parts]) or prefill(parts)
+    res = list(engine.generate(list(zip(requests, LIMITS)), max_batch=2, stop_at_eos=False))
+    assert {r.rid: r.tokens for r in res} == tokens
+    assert any(c.start > 0 for p in calls for c in p)
+    assert len(engine.runner._scratches) > 1  # steps of fewer than k + 1 positions near max_len
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_spec_on_the_triton_backend_equals_its_greedy(spec_dir, requests):
+    """The triton backend's verify and commit (kernels/gdn_verify.py, attention through qk_norm_rope +
+    attn_decode on B·(k+1) rows): its greedy tokens, on every acceptance path (oracle drafts); on the
+    CPU under Triton's interpreter, at one short request."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = RuntimeConfig(max_slots=2, max_len=32, backend="triton", device=dev)
+    reqs, limits = requests[:1], [7]
+    base = Engine(spec_dir, cfg)
+    tokens = {r.rid: r.tokens for r in base.generate(list(zip(reqs, limits)), max_batch=2, stop_at_eos=False)}
+    engine = Engine(spec_dir, cfg, processor=base.processor, spec=2)
+    steps = oracle(engine.runner, reqs, tokens)
+    assert {r.rid: r.tokens for r in engine.generate(list(zip(reqs, limits)), max_batch=2,
+                                                      stop_at_eos=False)} == tokens
+    assert {1, 2, 3} <= {n for row in steps for n in row}
+
+
+def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path):
+    """`ocriaquant parse --spec 2` on a held-out page, the bundled model with a (random) MTP layer:
+    the markdown of --spec 0, and summary.json reports the accepted length."""
+    from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
+    from ocriaquant.model import DEFAULT_MODEL, load_config
+    from ocriaquant.model.mtp import Qwen35MTP, save_mtp
+    from ocriaquant.parse import ParseOptions, parse
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL, model)
+    torch.manual_seed(0)
+    save_mtp(model, Qwen35MTP(load_config(model).text_config))
+    _, held = split_pages(load_pages(BUNDLED_PAGES).pages)
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    shutil.copy(held[0].source, pages)
+    out = {}
+    for spec in (0, 2):
+        s = parse(model, pages, tmp_path / f"out{spec}", ParseOptions(max_new_tokens=10, read_workers=0, spec=spec))
+        assert s["parsed"] == 1
+        out[spec] = (tmp_path / f"out{spec}" / f"{held[0].source.stem}.md").read_text()
+    assert out[2] == out[0] and out[0].strip()
+    assert s["spec"] == 2 and 1 <= s["accepted_length"] <= 3 and s["verify_steps"] > 0
+
+
+def test_bench_spec_times_the_step_and_expects_the_given_acceptance(spec_dir, tmp_path):
+    """`bench --spec 2 --acceptance FILE`: the step's phases timed, the expected tokens per step from
+    the file (said to be given, not measured); a named shape without --acceptance is refused."""
+    import json
+
+    from ocriaquant import bench
+    from ocriaquant.runtime.measure import accepted_lengths
+
+    assert accepted_lengths({"position_acceptance": [0.5, 0.5, 0.5]}, 2) == [0.5, 0.25, 0.25]
+    assert accepted_lengths([0.25, 0.25, 0.25, 0.25], 2) == [0.25, 0.25, 0.5]
+    with pytest.raises(ValueError, match="sum to 1"):
+        accepted_lengths([0.5, 0.2], 2)
+    acc = tmp_path / "acceptance.json"
+    acc.write_text(json.dumps({"position_acceptance": [0.8, 0.5]}))
+    rep = bench.run(spec_dir, bench.BenchOptions(device="cpu", backend="torch", batches=(2,), context=8, steps=1,
+                                                 concurrency=(), baseline=False, megapixels=0.2, spec=2,
+                                                 acceptance=acc), log=lambda m: None)
+    sp = rep["spec"]
+    assert sp["k"] == 2 and "given, not measured" in sp["acceptance"]
+    assert sp["expected_accepted_length"] == pytest.approx(1 + 0.8 + 0.4)
+    (row,) = sp["steps"]
+    assert row["batch"] == 2 and row["step_ms"] >= row["verify_ms"] > 0 and row["draft_ms"] > 0
+    assert row["expected_tok_per_s"] == pytest.approx(2 * 2.2 / (row["step_ms"] / 1e3), rel=0.01)
+    with pytest.raises(OcriaError, match="--acceptance"):
+        bench.run(None, bench.BenchOptions(shape="qwen3.5-0.8b", device="cpu", backend="torch", spec=2),
+                  log=lambda m: None)
+
+
+def test_spec_needs_an_mtp_layer(tiny_model_dir):
+    with pytest.raises(OcriaError, match=f"{tiny_model_dir}.*has no MTP layer"):
+        ModelRunner(tiny_model_dir, RuntimeConfig(max_slots=1, spec=2))
+    with pytest.raises(OcriaError, match="0 to 8 draft tokens"):
+        RuntimeConfig(spec=9)

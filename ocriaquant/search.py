@@ -617,7 +617,11 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
             c.same_as_bf16 = float(np.mean([y == b for y, b in zip(preds, base_out)]))
             bar.advance(cands)
     decode_wall = time.perf_counter() - t_all
-    judge.vision.clear()
+    runtime = judge.describe()
+    del judge  # the model's tensors and the quantized units go back before export runs in this process
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     for c in plans:
         c.delta = paired_bootstrap(plans[0].ned, c.ned)
 
@@ -633,13 +637,18 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
 
     for c in plans:
         c.speed_s = speed(c)
-    basis = _basis(objective, opts.batch, measuring, judge.describe()["device"], why_not)
+    basis = _basis(objective, opts.batch, measuring, runtime["device"], why_not)
 
     bf16, fp8 = plans[0], plans[1]
     ours = [c for c in plans if c.role != "peer" and c.target == target]
     ok = [c for c in ours[1:] if c.delta.high <= tolerance]
     chosen = min(ok, key=lambda c: c.speed_s) if ok else bf16
-    if chosen is bf16:
+    if chosen is not bf16 and chosen.speed_s >= bf16.speed_s:  # measured: quantizing may not pay on this GPU
+        verdict = (f"no candidate of ours within +{tolerance} NED beats BF16 at the objective ({basis['what']}: "
+                   f"the best, {chosen.label}, is {bf16.speed_s / chosen.speed_s:.2f}x BF16's speed), so BF16 is "
+                   "kept.")
+        chosen = bf16
+    elif chosen is bf16:
         verdict = (f"no candidate of ours stays within +{tolerance} NED of BF16 at the 95% upper bound "
                    f"(all-FP8: {fp8.delta.high:+.4f}), so BF16 is kept. Raise --max-ned-increase or evaluate more "
                    "pages.")
@@ -663,7 +672,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
     timed = [c for c in plans if c.measured is not None and c.decoded_as is None]  # each model once
     speed_report = {"objective": objective, "slo_p90_s": opts.slo_p90, "basis": basis["what"],
                     "measured": measuring, "not_measured_because": why_not,
-                    "runtime": judge.describe() if measuring else None,
+                    "runtime": runtime if measuring else None,
                     "spearman_b1": spearman([c.predicted_b1_s for c in timed],
                                             [c.measured["step_b1_ms"] for c in timed]),
                     "spearman_batch": None if opts.batch == 1 else spearman(
@@ -691,7 +700,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
     report = {"target": target, "batch": opts.batch, "cost_model": cost.source, "tolerance": tolerance,
               "verdict": verdict, "chosen": chosen.label, "eval_pages": len(held), "heldout_with_truth": len(held_all),
               "eval_page_names": [p.name for p in held],
-              "decoding": {**judge.describe(), "pages": len(held), "max_new_tokens": opts.max_new_tokens,
+              "decoding": {**runtime, "pages": len(held), "max_new_tokens": opts.max_new_tokens,
                            "page_limits": [min(limits), max(limits)],
                            "tokens": sum(c.tokens for c in plans),
                            "tok_per_s": round(sum(c.tokens for c in plans) / max(sum(c.decode_s for c in plans),
@@ -1083,8 +1092,10 @@ def _plot(path: Path, plans: list[Candidate], chosen: Candidate, frontier: list[
         meas.set_title(basis["what"].split(", ", 1)[-1], fontsize=10)
     else:
         meas.set_title("measured", fontsize=10)
-        why = "\n".join(textwrap.wrap("not measured: " + (basis["why_not"] or ""), 60))
-        meas.text(0.5, 0.5, why, ha="center", va="center", transform=meas.transAxes, fontsize=9, color="0.35")
+        why = "\n".join(textwrap.wrap("not measured: " + (basis["why_not"] or ""), 50))
+        meas.text(0.5, 0.5, why, ha="center", va="center", transform=meas.transAxes, fontsize=9, color="0.3",
+                  bbox=dict(boxstyle="round", facecolor="white", edgecolor="0.8"))
+        meas.set_xticks([])
     meas.sharey(pred)
     fig.tight_layout(rect=(0, 0, 0.79, 1))
     fig.legend(*pred.get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(0.795, 0.56),

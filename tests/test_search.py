@@ -324,9 +324,13 @@ def test_search_times_its_finalists_and_ranks_predicted_against_measured(tiny_ca
                                          [c["measured"]["step_b1_ms"] for c in firsts])
     ours_ok = [c for c in rep["candidates"] if c["role"] != "peer" and c["target"] == "h200" and c["label"] != "BF16"
                and c["ned_increase"][2] <= 0.5]
-    if ours_ok:  # the fastest measured batch-1 step within the tolerance
-        assert rep["chosen"] == min(ours_ok, key=lambda c: c["measured"]["step_b1_ms"])["label"]
-        assert rep["verdict"].startswith("measured ")
+    if ours_ok:  # the fastest measured batch-1 step within the tolerance, unless BF16 is faster still
+        best = min(ours_ok, key=lambda c: c["measured"]["step_b1_ms"])
+        bf16 = next(c for c in rep["candidates"] if c["label"] == "BF16")
+        if best["measured"]["step_b1_ms"] < bf16["measured"]["step_b1_ms"]:
+            assert rep["chosen"] == best["label"] and rep["verdict"].startswith("measured ")
+        else:
+            assert rep["chosen"] == "BF16" and f"the best, {best['label']}," in rep["verdict"]
     md = (tmp_path / "lat" / "report.md").read_text()
     assert "measured ÷ predicted" in md and "Rank agreement" in md and "predicted b2 (ms)" in md
 

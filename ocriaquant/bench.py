@@ -30,7 +30,7 @@ import torch
 
 from .errors import OcriaError
 from .runtime.engine import PREFILL_BUDGET
-from .runtime.measure import decode_speed, page_speed, pages_at_slo  # benchmarks/ import them from here too
+from .runtime.measure import decode_speed, page_speed, page_stats, pages_at_slo  # benchmarks/ import them from here too
 
 # Named plans for --shape: bf16; mixed (NVFP4 MLPs, FP8 GDN and attention); fp8 and nvfp4 (every
 # decoder Linear in that format). The lm_head and the vision encoder stay BF16 in all of them.
@@ -625,12 +625,7 @@ def run_gpus(checkpoint: Path | None, gpus: str | int, options: BenchOptions = B
         if dead:
             raise OcriaError(f"bench engine {dead[0].worker} ({dead[0].device}) failed (exit code {dead[0].exit_code})"
                              + (f":\n{dead[0].error}" if dead[0].error else ""))
-        wall = last[0] - pool.started_at
-        lat.sort()
-        q = statistics.quantiles(lat, n=10, method="inclusive") if len(lat) > 1 else lat * 9
-        row = {"gpus": n, "pages": len(lat), "seconds": round(wall, 2), "pages_per_s": round(len(lat) / wall, 3),
-               "p50_s": round(statistics.median(lat), 2), "p90_s": round(q[8], 2),
-               "tok_per_s": round(tokens[0] / wall, 1)}
+        row = {"gpus": n, **page_stats(lat, tokens[0], last[0] - pool.started_at)}
         report["runs"].append(row)
         log(f"{n} engine(s): {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 {row['p90_s']} s")
     one, many = report["runs"][0], report["runs"][-1]

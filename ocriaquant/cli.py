@@ -28,6 +28,13 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 DEFAULT_OUT = Path("ocriaquant-out")
 
+# search's judging options, which quantize passes on
+Peers = Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, or "
+                                         "NAME,NAME (names or YAML files).")]
+Objective = Annotated[str, typer.Option(help="latency (the batch-1 decode step) or throughput (pages/s within "
+                                             "--slo-p90).")]
+SloP90 = Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in seconds, "
+                                                      "the pages/s are measured within.")]
 Verbose = Annotated[bool, typer.Option(  # every verb takes it; @_verb reads it
     "--verbose", "-v", help=f"Show the libraries' own messages here (transformers, llmcompressor, their progress "
                             f"bars); without it they go to {LOG_NAME} beside the outputs.")]
@@ -217,12 +224,9 @@ def search(
     dtype: Annotated[str, typer.Option(help="Compute dtype of the runtime that decodes the held-out pages.")] = "bf16",
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Cap on decoded tokens per page (below it, each page "
                                                           "has room for 1.25x its reference + 16).")] = None,
-    peers: Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, "
-                                       "or NAME,NAME (names or YAML files).")] = "all",
-    objective: Annotated[str, typer.Option(help="latency (the batch-1 decode step) or throughput (pages/s within "
-                                           "--slo-p90).")] = "latency",
-    slo_p90: Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in "
-                                                     "seconds, the pages/s are measured within.")] = None,
+    peers: Peers = "all",
+    objective: Objective = "latency",
+    slo_p90: SloP90 = None,
     measure: Annotated[Optional[bool], typer.Option("--measure/--no-measure", help="Time the finalists in the "
                                                     "runtime (default: on a GPU yes, on the CPU no).")] = None,
     verbose: Verbose = False,
@@ -315,12 +319,9 @@ def quantize(
     verify_pages: Annotated[int, typer.Option(help="Held-out pages for the checkpoint's reload check (0: skip).")] = 16,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT/checkpoint.")] = False,
-    peers: Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, "
-                                       "or NAME,NAME (names or YAML files).")] = "all",
-    objective: Annotated[str, typer.Option(help="latency (the batch-1 decode step) or throughput (pages/s within "
-                                           "--slo-p90).")] = "latency",
-    slo_p90: Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in "
-                                                     "seconds, the pages/s are measured within.")] = None,
+    peers: Peers = "all",
+    objective: Objective = "latency",
+    slo_p90: SloP90 = None,
     measure: Annotated[Optional[bool], typer.Option("--measure/--no-measure", help="Time the search's finalists in "
                                                     "the runtime (default: on a GPU yes, on the CPU no).")] = None,
     verbose: Verbose = False,

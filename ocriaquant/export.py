@@ -31,6 +31,7 @@ from .artifacts import check_plan, input_absmax, is_calibration, load_calibratio
 from .errors import OcriaError
 from .files import replace_dir, temp_sibling
 from .model.groups import LayerGroup
+from .model.mtp import add_shard
 from .quant import nvfp4
 
 
@@ -207,10 +208,7 @@ def carry_unloaded_tensors(src: Path, dst: Path, prefixes: tuple[str, ...] = ("m
     """Copy tensors transformers does not load (Qwen3.5's multi-token-prediction head `mtp.*`)
     from the source checkpoint into `dst` untouched, as their own shard listed in the index
     (serving engines that speculate with MTP read them from there)."""
-    import json
-
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     carried: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -221,17 +219,7 @@ def carry_unloaded_tensors(src: Path, dst: Path, prefixes: tuple[str, ...] = ("m
                     carried[k] = fh.get_tensor(k)
     if not carried:
         return 0
-    shard = "model-extra-mtp.safetensors"
-    save_file(carried, str(dst / shard), metadata={"format": meta.get("format", "pt")})
-    index_path = dst / "model.safetensors.index.json"
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-    else:  # one-file checkpoint: an index makes loaders see both files
-        with safe_open(str(dst / "model.safetensors"), "pt") as fh:
-            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fh.keys()}}
-    index["weight_map"].update({k: shard for k in carried})
-    index.setdefault("metadata", {})["total_size"] = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    index_path.write_text(json.dumps(index, indent=2))
+    add_shard(dst, "model-extra-mtp.safetensors", carried, meta.get("format", "pt"))
     return len(carried)
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import copy
-import io
 import json
 import math
 import os
@@ -58,7 +57,7 @@ import torch.nn.functional as F
 from ocriaquant.data import DEFAULT_PROMPT, Page, load_pages
 from ocriaquant.data.docgen import DOC_STYLE, DocStyle, make_doc_page
 from ocriaquant.model.batched import PageBatchForward
-from ocriaquant.model.processor import chat_text, save_processor
+from ocriaquant.model.processor import save_processor
 from ocriaquant.model.reader import (READER_MAX_PIXELS, ReaderShape, count_parameters, reader_config,
                                      reader_processor, train_reader_tokenizer)
 

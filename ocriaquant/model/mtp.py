@@ -74,22 +74,9 @@ class Qwen35MTP(nn.Module):
 def save_mtp(model_dir: Path, mtp: Qwen35MTP, dtype: torch.dtype = torch.bfloat16) -> int:
     """Write the MTP layer into a saved model directory as its own shard, listed in the index, and
     record `mtp_num_hidden_layers` in config.json's text_config (as Qwen3.5 checkpoints do)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     model_dir = Path(model_dir)
     tensors = mtp.checkpoint_tensors(dtype)
-    save_file(tensors, str(model_dir / MTP_SHARD), metadata={"format": "pt"})
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-    else:  # one-file model: an index makes loaders see both files
-        with safe_open(str(model_dir / "model.safetensors"), "pt") as fh:
-            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fh.keys()}}
-    index["weight_map"].update({k: MTP_SHARD for k in tensors})
-    index.setdefault("metadata", {})["total_size"] = sum(
-        f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    add_shard(model_dir, MTP_SHARD, tensors)
     cfg_path = model_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.setdefault("text_config", {})["mtp_num_hidden_layers"] = len(mtp.layers)
@@ -113,3 +100,22 @@ def load_mtp(model_dir: Path, text_config, dtype: torch.dtype = torch.float32) -
     mtp = Qwen35MTP(text_config)
     mtp.load_state_dict(state)
     return mtp.to(dtype)
+
+
+def add_shard(model_dir: Path, shard: str, tensors: dict[str, torch.Tensor], fmt: str = "pt") -> None:
+    """Write `tensors` into a saved model directory as their own safetensors shard, listed in the
+    index (written for a one-file model, so that loaders see both files)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    save_file(tensors, str(model_dir / shard), metadata={"format": fmt})
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:
+        with safe_open(str(model_dir / "model.safetensors"), "pt") as fh:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in fh.keys()}}
+    index["weight_map"].update({k: shard for k in tensors})
+    index.setdefault("metadata", {})["total_size"] = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")

@@ -57,14 +57,18 @@ def page_speed(engine, encs: list[dict], concurrency: int, out_tokens: int) -> d
     t = time.perf_counter()
     res = list(engine.generate([(e, out_tokens) for e in encs], max_batch=concurrency, stop_at_eos=False))
     wall = time.perf_counter() - t
-    lat = sorted(r.seconds for r in res)
-    q = statistics.quantiles(lat, n=10, method="inclusive") if len(lat) > 1 else lat * 9
-    return {"concurrency": concurrency, "pages": len(res), "seconds": round(wall, 2),
-            "pages_per_s": round(len(res) / wall, 3), "p50_s": round(statistics.median(lat), 2),
-            "p90_s": round(q[8], 2), "first_token_p50_s": round(statistics.median(r.first_token_s for r in res), 2),
-            "tok_per_s": round(sum(len(r.tokens) for r in res) / wall, 1),
+    return {"concurrency": concurrency, **page_stats([r.seconds for r in res], sum(len(r.tokens) for r in res), wall),
+            "first_token_p50_s": round(statistics.median(r.first_token_s for r in res), 2),
             **({"accepted_length": round(sum(r.verified for r in res) / sum(r.verifies for r in res), 3)}
                if any(r.verifies for r in res) else {})}  # speculative decoding: tokens per verify step
+
+
+def page_stats(latencies: list[float], tokens: int, wall: float) -> dict:
+    """Pages, seconds, pages/s, p50 / p90 latency and tok/s of pages served in `wall` seconds."""
+    lat = sorted(latencies)
+    q = statistics.quantiles(lat, n=10, method="inclusive") if len(lat) > 1 else lat * 9
+    return {"pages": len(lat), "seconds": round(wall, 2), "pages_per_s": round(len(lat) / wall, 3),
+            "p50_s": round(statistics.median(lat), 2), "p90_s": round(q[8], 2), "tok_per_s": round(tokens / wall, 1)}
 
 
 def pages_at_slo(engine, encs: list[dict], slo_p90: float, out_tokens: int, max_concurrency: int | None = None,
@@ -116,7 +120,7 @@ def pages_at_slo(engine, encs: list[dict], slo_p90: float, out_tokens: int, max_
             "p90_s": held["p90_s"] if held else None, "levels": [levels[c] for c in sorted(levels)]}
 
 
-__all__ = ["decode_speed", "page_speed", "pages_at_slo"]
+__all__ = ["decode_speed", "page_speed", "page_stats", "pages_at_slo"]
 
 
 def spec_step_speed(rt, batch: int, context: int, steps: int, vocab: int) -> dict:

@@ -37,6 +37,7 @@ from .runtime.measure import decode_speed, page_speed, page_stats, pages_at_slo 
 # fp8 / nvfp4 time the kernels mixed does not run inside a step (FP8 MLPs, NVFP4 mixers).
 PLANS = ("bf16", "mixed", "fp8", "nvfp4")
 SLO_MAX_CONCURRENCY = 64  # the largest CUDA-graph bucket: the SLO search goes no higher
+ACCEPTED_LENGTHS = (1.5, 2, 2.5, 3, 4, 5, 6)  # the spec report's speed-up sweep (#55)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -461,21 +462,25 @@ def spec_report(rt, o: BenchOptions, batches: list[int], context: int, steps: in
         h = torch.randn(b, dim, dtype=rt.dtype, device=rt.device)
         head_s = _timed(lambda: rt.draft_head(h), rt.device)
         full_s = head_s if rt.draft_head is rt.model.lm_head else _timed(lambda: rt.model.lm_head(h), rt.device)
-        row = {"batch": b, "step_ms": round(t["step_s"] * 1e3, 3), "verify_ms": round(t["verify_s"] * 1e3, 3),
+        row = {"batch": b, "step_ms": round(t["step_s"] * 1e3, 3), "eager_step_ms": round(t["eager_step_s"] * 1e3, 3),
+               "verify_ms": round(t["verify_s"] * 1e3, 3),
                "commit_ms": round(t["commit_s"] * 1e3, 3), "draft_ms": round(t["draft_s"] * 1e3, 3),
                "draft_head_ms": round(head_s * 1e3, 3), "full_head_ms": round(full_s * 1e3, 3),
                "plain_step_ms": round(plain * 1e3, 3), "break_even_accepted_length": round(t["step_s"] / plain, 2)}
+        # what each accepted length would give (tokens per step × plain step / spec step), up to k + 1
+        row["speedup_at"] = {str(a): round(a * plain / t["step_s"], 2) for a in ACCEPTED_LENGTHS if a <= k + 1}
         if expected:
             row["expected_tok_per_s"] = round(b * expected / t["step_s"], 1)
             row["expected_speedup"] = round(expected * plain / t["step_s"], 2)
         rows.append(row)
-        log(f"spec batch {b}: step {row['step_ms']} ms (verify {row['verify_ms']}, commit {row['commit_ms']}, draft "
+        log(f"spec batch {b}: step {row['step_ms']} ms (eagerly {row['eager_step_ms']}: verify {row['verify_ms']}, "
+            f"commit {row['commit_ms']}, draft "
             f"{row['draft_ms']}; draft head {row['draft_head_ms']} ms a call, full head {row['full_head_ms']}); plain "
             f"step {row['plain_step_ms']} ms: breaks even at {row['break_even_accepted_length']} tokens per step"
             + (f"; expected {row['expected_tok_per_s']} tok/s ({row['expected_speedup']}x)" if expected else ""))
     return {"k": k, "acceptance": source, "accepted_length_probs": probs, "expected_accepted_length": expected,
-            "draft_head": o.draft_head, "draft_vocab": o.draft_vocab or vocab, "cuda_graphs": False,
-            "note": "speculative steps run eagerly (no CUDA graph per (bucket, k) yet)", "steps": rows}
+            "draft_head": o.draft_head, "draft_vocab": o.draft_vocab or vocab, "cuda_graphs": rt.use_graphs,
+            "steps": rows}
 
 
 def _timed(fn, device, reps: int = 10) -> float:
@@ -539,14 +544,24 @@ def table(report: dict):
         sp = report["spec"]
         t = Table(title=f"speculative decoding, {sp['k']} drafts a step (draft head {sp['draft_head']}, vocabulary "
                         f"{sp['draft_vocab']}); acceptance {sp['acceptance']}")
-        for col in ("batch", "step ms", "verify ms", "commit ms", "draft ms", "draft head ms", "plain step ms",
-                    "break-even tokens/step", "expected tok/s", "expected ×"):
+        for col in ("batch", "step ms", "eager step ms", "verify ms", "commit ms", "draft ms", "draft head ms",
+                    "plain step ms", "break-even tokens/step", "expected tok/s", "expected ×"):
             t.add_column(col, justify="right")
         for r in sp["steps"]:
-            t.add_row(str(r["batch"]), f"{r['step_ms']:.2f}", f"{r['verify_ms']:.2f}", f"{r['commit_ms']:.2f}",
-                      f"{r['draft_ms']:.2f}", f"{r['draft_head_ms']:.2f}", f"{r['plain_step_ms']:.2f}",
-                      f"{r['break_even_accepted_length']:.2f}", str(r.get("expected_tok_per_s", "—")),
+            t.add_row(str(r["batch"]), f"{r['step_ms']:.2f}", f"{r['eager_step_ms']:.2f}", f"{r['verify_ms']:.2f}",
+                      f"{r['commit_ms']:.2f}", f"{r['draft_ms']:.2f}", f"{r['draft_head_ms']:.2f}",
+                      f"{r['plain_step_ms']:.2f}", f"{r['break_even_accepted_length']:.2f}",
+                      str(r.get("expected_tok_per_s", "—")),
                       f"{r['expected_speedup']}×" if "expected_speedup" in r else "—")
+        tables.append(t)
+        lengths = list(sp["steps"][0]["speedup_at"]) if sp["steps"] else []
+        t = Table(title="speed-up over plain decode by mean accepted length (tokens per verify step)"
+                        + (f"; the acceptance given: {sp['expected_accepted_length']:.2f}"
+                           if sp.get("expected_accepted_length") else ""))
+        for col in ["batch"] + lengths:
+            t.add_column(col, justify="right")
+        for r in sp["steps"]:
+            t.add_row(str(r["batch"]), *(f"{r['speedup_at'][a]}×" for a in lengths))
         tables.append(t)
     return tables
 

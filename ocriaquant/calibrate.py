@@ -57,6 +57,7 @@ from .data import BUNDLED_PAGES, Page, load_pages, select_split
 from .errors import OcriaError
 from .files import write_json_atomic, write_safetensors_atomic
 from .model import discover_groups, load_model
+from .model.gdn_train import differentiable
 from .model.generate import greedy_decode
 from .model.load import resolve_model_dir
 from .model.processor import chat_text
@@ -116,7 +117,6 @@ class _Collector:
     def _forward_hook(self, name: str):
         def hook(module, inputs, output):
             x = inputs[0].detach()
-            y = output.detach()
             if self.mask is not None and x.shape[:2] == self.mask.shape:
                 m = self.mask
             else:  # lm_head sees only the selected target positions
@@ -130,7 +130,8 @@ class _Collector:
                 return
             in_absmax = acc[name + ".absmax"].max().to(x.dtype)
 
-            def grad_hook(g, x=x, y=y, m=m):
+            def grad_hook(g, x=x, m=m):
+                y = F.linear(x, module.weight, module.bias)  # recomputed: outputs are not kept for every Linear
                 g2 = (g.detach().double() ** 2)[m]
                 acc[name + ".fisher"] += g2.sum(0).cpu()
                 w_fp8 = fp8.dequantize(*self.qweights[(name, "fp8")], x.dtype)
@@ -181,7 +182,7 @@ def teacher_forcing_batch(processor, pages: list[Page], targets: list[str], devi
 def target_logits(net, inputs: dict, tpos: torch.Tensor) -> torch.Tensor:
     """Logits predicting each target token of a teacher-forcing batch: position p - 1 predicts
     token p, so the 248k-wide head runs on target positions only."""
-    hidden = net.model(**inputs).last_hidden_state
+    hidden = net.model(**inputs, use_cache=False).last_hidden_state  # no cache: GDN's differentiable path
     return net.lm_head(hidden[tpos[:, 0], tpos[:, 1] - 1])
 
 
@@ -242,10 +243,11 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
     grad_hook = embed.register_forward_hook(lambda m, i, o: o.requires_grad_(True))
     batches_run = 0
     try:
-        with Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),
-                      TimeElapsedColumn(), console=console, transient=True,
-                      # what the libraries print goes where logs.quiet sends it, not above the bar
-                      redirect_stdout=False, redirect_stderr=False) as bar:
+        with differentiable(opts.device), \
+                Progress(TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("pages"),
+                         TimeElapsedColumn(), console=console, transient=True,
+                         # what the libraries print goes where logs.quiet sends it, not above the bar
+                         redirect_stdout=False, redirect_stderr=False) as bar:
             task = bar.add_task("pages", total=len(chosen), completed=done)
             for start in range(done, len(chosen), opts.batch_size):
                 if stop_after_batches is not None and batches_run >= stop_after_batches:

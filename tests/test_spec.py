@@ -65,22 +65,23 @@ def wrong_at(turn: int, k: int) -> int:
 
 
 def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[list[int]]:
-    """Make `runner` draft the true greedy continuation (spoiled per wrong_at) after its MTP has run;
-    returns the list each spec_step's accepted lengths are appended to."""
+    """Make `runner` verify the true greedy continuation (spoiled per wrong_at) in place of its MTP's
+    drafts: written into runner.drafts from the host before each spec_step (so a step's CUDA graph
+    reads them as it reads the MTP's); returns the list each spec_step's accepted lengths are
+    appended to."""
     full = {r["input_ids"].shape[1]: r["input_ids"][0].tolist() + tokens[i] for i, r in enumerate(requests)}
     owner, steps, turns = {}, [], {}
-    chain, prefill, step = runner._chain, runner.prefill_chunks, runner.spec_step
+    prefill, step = runner.prefill_chunks, runner.spec_step
     vocab = runner.hf_config.text_config.vocab_size
 
     def prefill_chunks(parts):
         owner.update({c.slot: p.length for p, c in parts if c.start == 0})
         return prefill(parts)
 
-    def forced(h, slots, lengths, deltas, span):
-        chain(h, slots, lengths, deltas, span)  # the MTP runs and writes its cache as it would
+    def spec_step(tokens, slots, lengths, deltas, **kw):
         k = runner.spec
         rows = []
-        for s, n in zip(slots.tolist(), lengths.tolist()):
+        for s, n in zip(slots, lengths):  # the row's last token is seq[n]; its drafts seq[n+1 … n+k]
             seq = full[owner[s]]
             row = [seq[n + j] if n + j < len(seq) else 0 for j in range(1, k + 1)]
             turns[s] = turns.get(s, -1) + 1
@@ -88,14 +89,12 @@ def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[
             if bad <= k:
                 row[bad - 1] = (row[bad - 1] + 1) % vocab
             rows.append(row)
-        runner.drafts[slots] = torch.tensor(rows, device=slots.device)
-
-    def spec_step(*args, **kw):
-        got = step(*args, **kw)
+        runner.drafts[torch.tensor(slots, device=runner.device)] = torch.tensor(rows, device=runner.device)
+        got = step(tokens, slots, lengths, deltas, **kw)
         steps.append([len(t) for t in got.get()])
         return got
 
-    runner._chain, runner.prefill_chunks, runner.spec_step = forced, prefill_chunks, spec_step
+    runner.prefill_chunks, runner.spec_step = prefill_chunks, spec_step
     return steps
 
 
@@ -267,7 +266,9 @@ def test_bench_spec_times_the_step_and_expects_the_given_acceptance(spec_dir, tm
     assert sp["k"] == 2 and "given, not measured" in sp["acceptance"]
     assert sp["expected_accepted_length"] == pytest.approx(1 + 0.8 + 0.4)
     (row,) = sp["steps"]
-    assert row["batch"] == 2 and row["step_ms"] >= row["verify_ms"] > 0 and row["draft_ms"] > 0
+    assert row["batch"] == 2 and row["eager_step_ms"] >= row["verify_ms"] > 0 and row["draft_ms"] > 0
+    assert row["speedup_at"] == {str(a): pytest.approx(a * row["plain_step_ms"] / row["step_ms"], rel=0.02)
+                                 for a in (1.5, 2, 2.5, 3)}  # accepted lengths up to k + 1
     assert row["expected_tok_per_s"] == pytest.approx(2 * 2.2 / (row["step_ms"] / 1e3), rel=0.01)
     with pytest.raises(OcriaError, match="--acceptance"):
         bench.run(None, bench.BenchOptions(shape="qwen3.5-0.8b", device="cpu", backend="torch", spec=2),

@@ -20,6 +20,8 @@ and returns the fastest of those with all the figures (the training log keeps th
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import inspect
 import time
 
@@ -138,6 +140,27 @@ def install(name: str) -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     m.torch_chunk_gated_delta_rule = implementation(name)
+
+
+@contextlib.contextmanager
+def differentiable(device):
+    """While open, transformers' Qwen3.5 GDN layers have a backward that runs here (calibration's
+    gradients): on CUDA with fla-core, `fla-fwd` (fla's forward, the torch function's backward: fla
+    refuses its own on Hopper with Triton < 3.7.1), CPU tensors still on the torch function;
+    elsewhere as loaded. Yields the implementation's name."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from .route_kernels import routed
+
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("fla") is None:
+        yield "as loaded"
+        return
+    saved = m.torch_chunk_gated_delta_rule
+    m.torch_chunk_gated_delta_rule = routed(implementation("fla-fwd"), torch_reference())
+    try:
+        yield "fla-fwd"
+    finally:
+        m.torch_chunk_gated_delta_rule = saved
 
 
 def _inputs(b: int, t: int, heads: int, dim: int, device, seed: int = 0):

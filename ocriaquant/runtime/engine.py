@@ -72,6 +72,8 @@ class Engine:
         stops = self.eos if stop_at_eos else set()
         source = (r if isinstance(r, tuple) else (r, max_new_tokens) for r in requests)
         sched = Scheduler(source, self.runner.max_slots, max_batch)
+        # every decode graph this batch can need, captured before serving (as bench always did): none mid-step
+        self.runner.capture_buckets(sched.max_batch)
         if self.spec:
             yield from self._generate_spec(sched, stops, on_step)
             return

@@ -125,11 +125,12 @@ __all__ = ["decode_speed", "page_speed", "page_stats", "pages_at_slo"]
 
 def spec_step_speed(rt, batch: int, context: int, steps: int, vocab: int) -> dict:
     """A speculative step at `batch` rows (ModelRunner.spec_step: verify k+1 positions, commit, draft
-    k), its phases timed apart (synchronized after each; their sum is the step as the engine runs
-    it, without the overlap of the next launch): {"verify_s", "commit_s", "draft_s", "step_s"},
-    medians over `steps` steps after 2 untimed. The drafts are what the runner's MTP proposes; the
-    step's cost does not depend on how many are accepted (fixed shapes). Rows 0 … batch-1 at
-    `context` cached tokens, rewritten each step (their state is overwritten by the next prefill)."""
+    k): as the engine runs it (its CUDA graph where the runner has them), "step_s"; and eagerly with
+    its phases timed apart (synchronized after each), "verify_s", "commit_s", "draft_s" and their
+    "eager_step_s". Medians over `steps` steps after 2 untimed. The drafts are what the runner's MTP
+    proposes; the step's cost does not depend on how many are accepted (fixed shapes). Rows 0 …
+    batch-1 at `context` cached tokens, rewritten each step (their state is overwritten by the next
+    prefill)."""
     g = torch.Generator().manual_seed(batch)
     tokens = torch.randint(0, vocab, (batch,), generator=g).tolist()
     slots, lengths, deltas = list(range(batch)), [context] * batch, [0] * batch
@@ -140,23 +141,27 @@ def spec_step_speed(rt, batch: int, context: int, steps: int, vocab: int) -> dic
         sync(rt.device)
         marks.append((name, time.perf_counter()))
 
-    phases = {"verify": [], "commit": [], "draft": [], "step": []}
+    phases = {"verify": [], "commit": [], "draft": [], "eager_step": [], "step": []}
     collecting = gc.isenabled()
     try:
-        for i in range(2 + steps):
-            if i == 2:
-                gc.collect()
-                gc.disable()
-            marks.clear()
-            sync(rt.device)
-            t = time.perf_counter()
-            rt.spec_step(tokens, slots, lengths, deltas, clock=clock).get()
-            if i >= 2:
+        for timed in (clock, None):
+            for i in range(2 + steps):
+                if i == 2:
+                    gc.collect()
+                    gc.disable()
+                marks.clear()
+                sync(rt.device)
+                t = time.perf_counter()
+                rt.spec_step(tokens, slots, lengths, deltas, clock=timed).get()
+                if i < 2:
+                    continue
                 prev = t
                 for name, at in marks:
                     phases[name].append(at - prev)
                     prev = at
-                phases["step"].append(time.perf_counter() - t)
+                phases["step" if timed is None else "eager_step"].append(time.perf_counter() - t)
+            if collecting:
+                gc.enable()
     finally:
         if collecting:
             gc.enable()

@@ -54,6 +54,7 @@ class ModelRunner:
         self.state = self.model.alloc_state(self.max_slots + 1, self.max_len, self.device)
         self.use_graphs = config.cuda_graphs and self.kernels is not None and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
+        self._spec_graphs: dict[int, tuple] = {}  # speculative steps' graphs (k drafts), by bucket
         self._pool = None
         self._last: tuple | None = None  # greedy_step's last launch (rows, its device meta): the next may chain
         self._flip = 0  # which of a bucket's two pinned token buffers the next greedy_step copies into
@@ -169,15 +170,18 @@ class ModelRunner:
         return PendingTokens(buf, done, n)
 
     def capture_buckets(self, max_batch: int) -> list[int]:
-        """Capture now the decode graph of every bucket a batch of up to `max_batch` rows can
-        use (each compiles its kernels' variants first), so that none is captured mid-serving;
-        returns the buckets captured here. Nothing to do without CUDA graphs."""
+        """Capture now the decode graph (and with spec the speculative step's) of every bucket a
+        batch of up to `max_batch` rows can use (each compiles its kernels' variants first), so
+        that none is captured mid-serving; returns the buckets new here. Nothing to do without
+        CUDA graphs."""
         if not self.use_graphs:
             return []
         top = bucket_for(max_batch) or BUCKETS[-1]
-        new = [b for b in BUCKETS if b <= top and b not in self._graphs]
+        new = [b for b in BUCKETS if b <= top and (b not in self._graphs or self.spec and b not in self._spec_graphs)]
         for b in new:
             self._graph(b)
+            if self.spec and b <= self.spec_rows:
+                self._spec_graph(b)
         return new
 
     def _graph(self, bucket: int):
@@ -308,8 +312,9 @@ class ModelRunner:
         last token and its k drafts, accept the longest prefix of drafts the target agrees with,
         commit, draft the next k. Returns a handle whose get() gives each row's new tokens (1 to
         k+1: the accepted drafts and the target's token after them), exactly those greedy decoding
-        gives. Rows near max_len verify fewer drafts. clock(name): called after each phase (bench
-        times them; it synchronizes)."""
+        gives. With CUDA graphs the batch is padded to its bucket and the (bucket, k) graph
+        replayed; rows near max_len verify fewer drafts, eagerly. clock(name): called after each
+        phase (bench times them; it synchronizes, so the step runs eagerly)."""
         if self.mtp is None:
             raise OcriaError("spec_step needs a runner built with spec > 0 (RuntimeConfig.spec)")
         top = max(lengths)
@@ -319,12 +324,25 @@ class ModelRunner:
         bsz = len(slots)
         if bsz > self.spec_rows:
             raise OcriaError(f"{bsz} speculative rows, but the runner holds {self.spec_rows}")
+        bucket = bucket_for(bsz)
+        if self.use_graphs and clock is None and T == self.spec + 1 and bucket is not None:
+            graph, meta, target, n = self._spec_graph(bucket)
+            self._write_meta(meta, bucket, tokens, slots, lengths, deltas)
+            graph.replay()
+            return PendingSpec(target[:bsz].clone(), n[:bsz].clone())  # the next replay overwrites the graph's
         meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
-        tok, sl, ln, dl = meta
+        spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
+        return PendingSpec(*self._spec_body(*meta, T, spans, clock))
+
+    def _spec_body(self, tok: torch.Tensor, sl: torch.Tensor, ln: torch.Tensor, dl: torch.Tensor, T: int,
+                   spans: tuple[int, int], clock=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """spec_step on the device (what its graph holds): rows' last tokens, slots, lengths, deltas [B];
+        T positions verified; spans: the torch path's attention spans for the verify and the drafting
+        (0 with kernels). Returns the target's argmax [B, T] and the drafts accepted per row [B]."""
+        bsz = tok.shape[0]
         inp = torch.cat([tok[:, None], self.drafts[sl, :T - 1]], 1)                      # [B, T]
         scratch = self._scratch(T)
-        span = 0 if self.kernels else top + T
-        logits, hidden = self.model.verify(inp, sl, ln, dl, self.state, scratch, span)
+        logits, hidden = self.model.verify(inp, sl, ln, dl, self.state, scratch, spans[0])
         target = logits.argmax(-1)                                                        # [B, T]
         n = (inp[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)                       # drafts accepted
         if clock:
@@ -334,15 +352,35 @@ class ModelRunner:
             clock("commit")
         # The MTP over all T verified positions (fixed shape): rows past a row's n write KV entries at
         # positions the chain or the next step rewrites before any query reads them.
-        ahead = torch.arange(T, device=self.device)
+        ahead = torch.arange(T, device=tok.device)
         e, step = self.model.step(target.reshape(-1), sl.repeat_interleave(T), (ln[:, None] + ahead).reshape(-1),
-                                  dl.repeat_interleave(T), span)
+                                  dl.repeat_interleave(T), spans[0])
         h = self.mtp.decode(e, hidden.reshape(bsz * T, -1), self.mtp_state, step).unflatten(0, (bsz, T))
-        rows = torch.arange(bsz, device=self.device)
-        self._chain(h[rows, n], sl, ln + n + 1, dl, 0 if self.kernels else min(self.max_len, top + T + self.spec))
+        rows = torch.arange(bsz, device=tok.device)
+        self._chain(h[rows, n], sl, ln + n + 1, dl, spans[1])
         if clock:
             clock("draft")
-        return PendingSpec(target, n)
+        return target, n
+
+    def _spec_graph(self, bucket: int):
+        """Capture (once) the speculative step for `bucket` rows and k drafts, as _graph does the
+        decode step: warm-up and capture with every row on the sentinel slot; one memory pool with
+        the decode graphs (no two replay at once)."""
+        if bucket not in self._spec_graphs:
+            meta = torch.zeros(4, bucket, dtype=torch.long, device=self.device)
+            meta[1] = self.sentinel
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compile the kernels and allocate their workspaces outside the graph
+                for _ in range(2):
+                    self._spec_body(*meta, self.spec + 1, (0, 0))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                target, n = self._spec_body(*meta, self.spec + 1, (0, 0))
+            self._pool = graph.pool()
+            self._spec_graphs[bucket] = (graph, meta, target, n)
+        return self._spec_graphs[bucket]
 
 
 class PendingSpec:

@@ -14,7 +14,7 @@ A variant is a name and settings:
 - `<module>.<NAME>=<value>` sets a constant of a module under ocriaquant.runtime (the launchers
   read theirs at every launch);
 - `tiles:<file>` runs the step at another GEMV tile table (a JSON file in the format of
-  recipes/tiles/h200.json, read by ocriaquant.runtime.tiles.TileTable), as a runtime built with
+  ocriaquant/recipes/tiles/h200.json, read by ocriaquant.runtime.tiles.TileTable), as a runtime built with
   `--tiles <file>` would; the tool warns when that table gives this model's GEMVs at this batch
   the same tiles as the base's (`--tiles`, by default the runtime's own table);
 - `pdl:0` / `pdl:1` launches the step's kernels without / with programmatic dependent launch

@@ -1,7 +1,7 @@
 """Check and time ocriaquant's decode kernels at Qwen3.5-4B shapes beside their baselines, in one run.
 
     python benchmarks/bench_kernels.py --out bench_kernels.json
-    python benchmarks/bench_kernels.py --only table --table recipes/latency_h200.json
+    python benchmarks/bench_kernels.py --only table --table ocriaquant/recipes/latency_h200.json
     python benchmarks/bench_kernels.py --only rules --tiles my_gpu.json
 
 Each kernel family lives in its own module beside this one, over a shared harness
@@ -39,7 +39,7 @@ fresh random inputs with a NaN-poisoned output. Times are medians of CUDA-graph 
 replay cycling over enough weight copies that nothing is served from L2. Achieved bandwidth is
 reported against the device-to-device copy bandwidth measured in the same run.
 
-Tiles: the runtime's tile table (`--tiles FILE`; by default recipes/tiles/h200.json, as the
+Tiles: the runtime's tile table (`--tiles FILE`; by default ocriaquant/recipes/tiles/h200.json, as the
 runtime reads it) gives the tile every "rule" figure runs at. On another GPU, sweep with
 `--only m1` and `--only fp8`, write the best tiles into a table of your own, check it with
 `--only rules --tiles FILE` and in the decode step (ab_step.py's `tiles:FILE` variant).
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--table", type=Path, default=Path("latency_h200.json"))
     ap.add_argument("--tiles", type=Path, default=None,
                     help="the GEMV tile table the rule / runtime figures run at (default: the runtime's, "
-                         "recipes/tiles/h200.json)")
+                         "ocriaquant/recipes/tiles/h200.json)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--ks", default="2,4,8,16", help="gdn_verify: draft lengths k (k + 1 tokens a row)")
     ap.add_argument("--only", default="gemv,silu,gdn",

@@ -24,7 +24,7 @@ def add_step_args(ap, steps: int) -> None:
                          "its synthetic pages (5092 at the 4B), and attention's chunk grid follows it")
     ap.add_argument("--steps", type=int, default=steps, help="decode steps timed")
     ap.add_argument("--tiles", type=Path, default=None,
-                    help="the GEMV tile table the runtime launches with (default: recipes/tiles/h200.json)")
+                    help="the GEMV tile table the runtime launches with (default: ocriaquant/recipes/tiles/h200.json)")
 
 
 def step_runtime(args, device: str, backend: str = "triton"):

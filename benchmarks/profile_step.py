@@ -16,7 +16,7 @@ measures, at one batch size:
   producer (griddepcontrol.wait), so spans overlap and a kernel's time is not its cost alone;
   OCRIAQUANT_PDL=0 gives the kernels one after another.
 
-`--tiles FILE` builds the runtime with another GEMV tile table (default recipes/tiles/h200.json).
+`--tiles FILE` builds the runtime with another GEMV tile table (default ocriaquant/recipes/tiles/h200.json).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ BF16 weights and the byte tokenizer, saved as a model directory; synthetic pages
 pages (the hash split decides which is which). Then the pipeline, timed stage by stage:
 
 - calibrate on the calibration pages (bf16 on the GPU);
-- search, target h200, priced with recipes/latency_h200.json: BF16, all-FP8, all-NVFP4 and
+- search, target h200, priced with ocriaquant/recipes/latency_h200.json: BF16, all-FP8, all-NVFP4 and
   `--candidates` frontier points (the finalists), the b200 W4A4 decode (and with `--peers all`
   the published recipes), each built in our runtime (triton backend, CUDA graphs) and decoded on
   every held-out page × up to `--max-new-tokens` tokens (random weights rarely emit EOS: expect the
@@ -40,7 +40,8 @@ from ocriaquant.export import export
 from ocriaquant.model import tiny_config
 from ocriaquant.model.configs import SHAPES, use_tokenizer_ids
 from ocriaquant.model.processor import PageProcessor, build_byte_tokenizer, build_image_processor, save_processor
-from ocriaquant.search import RECIPES, SearchOptions, run_search
+from ocriaquant.recipes import RECIPES
+from ocriaquant.search import SearchOptions, run_search
 
 LIMIT_S = 600  # the acceptance: calibrate + search + export
 

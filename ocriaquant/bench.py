@@ -280,7 +280,7 @@ class BenchOptions:
     baseline: bool = True               # transformers generate on the same weights
     baseline_tokens: int = 16           # decode steps timed for transformers
     cuda_graphs: bool = True
-    tiles: Path | None = None           # GEMV tile table file (None: recipes/tiles/h200.json)
+    tiles: Path | None = None           # GEMV tile table file (None: ocriaquant/recipes/tiles/h200.json)
     slo_p90: float | None = None        # also find the highest concurrency whose p90 holds this (seconds)
     prefill_budget: int | None = None   # prompt tokens the engine prefills per step (None: the engine's)
     spec: int = 0                       # speculative decoding (#55): drafts per step from the MTP (a shape's: random)
@@ -480,6 +480,7 @@ def spec_report(rt, o: BenchOptions, batches: list[int], context: int, steps: in
             + (f"; expected {row['expected_tok_per_s']} tok/s ({row['expected_speedup']}x)" if expected else ""))
     return {"k": k, "acceptance": source, "accepted_length_probs": probs, "expected_accepted_length": expected,
             "draft_head": o.draft_head, "draft_vocab": o.draft_vocab or vocab, "cuda_graphs": rt.use_graphs,
+            "gdn_commit": "inside the next verify (deferred; commit ms ~0)" if rt.deferred else "after each verify",
             "steps": rows}
 
 

@@ -29,8 +29,8 @@ err_console = Console(stderr=True, soft_wrap=True)
 DEFAULT_OUT = Path("ocriaquant-out")
 
 # search's judging options, which quantize passes on
-Peers = Annotated[str, typer.Option(help="Published recipes judged beside ours (recipes/peers/): all, none, or "
-                                         "NAME,NAME (names or YAML files).")]
+Peers = Annotated[str, typer.Option(help="Published recipes judged beside ours (ocriaquant/recipes/peers/): all, "
+                                         "none, or NAME,NAME (names or YAML files).")]
 Objective = Annotated[str, typer.Option(help="latency (the batch-1 decode step) or throughput (pages/s within "
                                              "--slo-p90).")]
 SloP90 = Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in seconds, "
@@ -215,7 +215,8 @@ def search(
     batch: Annotated[int, typer.Option(help="The batch you serve at: step time predicted, and measured, there.")] = 1,
     max_ned_increase: Annotated[float, typer.Option(help="Tolerance: the chosen plan's NED increase over BF16, "
                                                     "95% upper bound.")] = 0.01,
-    policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
+    policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: "
+                                                   "ocriaquant/recipes/default.yaml).")] = None,
     latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from benchmarks/bench_kernels.py.")] = None,
     eval_pages: Annotated[int, typer.Option(help="Held-out pages with ground truth decoded per candidate (all of "
                                             "them, up to this many).")] = 256,
@@ -272,7 +273,8 @@ def export(
     verify_pages: Annotated[int, typer.Option(help="Held-out pages on which the reloaded checkpoint is compared "
                                               "token for token with search's simulation (0: skip).")] = 16,
     recipe: Annotated[Optional[str], typer.Option(help="Export a published recipe as it stands instead of PLAN: a name "
-                                                  "from recipes/peers/ (e.g. llmcompressor-nvfp4) or a YAML file.")] = None,
+                                                  "from ocriaquant/recipes/peers/ (e.g. llmcompressor-nvfp4) or a YAML "
+                                                  "file.")] = None,
     target: Annotated[str, typer.Option(help="With --recipe: h200 (NVFP4 weight-only) or b200 (NVFP4 W4A4).")] = "h200",
     verbose: Verbose = False,
 ):
@@ -311,7 +313,8 @@ def quantize(
     target: Annotated[str, typer.Option(help="h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4).")] = "h200",
     batch: Annotated[int, typer.Option(help="The batch you serve at: step time predicted, and measured, there.")] = 1,
     max_ned_increase: Annotated[float, typer.Option(help="Tolerated NED increase over BF16 (95% upper bound).")] = 0.01,
-    policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: recipes/default.yaml).")] = None,
+    policy: Annotated[Optional[Path], typer.Option(help="Search-space YAML (default: "
+                                                   "ocriaquant/recipes/default.yaml).")] = None,
     latency_table: Annotated[Optional[Path], typer.Option(help="Measured latencies from benchmarks/bench_kernels.py.")] = None,
     calib_pages: Annotated[int, typer.Option(help="Calibration pages.")] = 32,
     eval_pages: Annotated[int, typer.Option(help="Held-out pages with ground truth decoded per search candidate "
@@ -377,7 +380,7 @@ def parse(
     backend: Annotated[str, typer.Option(help="torch (reference, CPU or GPU) or triton (decode kernels; GPU, or "
                                          "the CPU under TRITON_INTERPRET=1).")] = "torch",
     tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
-                                                  "recipes/tiles/h200.json, swept on an H200).")] = None,
+                                                  "ocriaquant/recipes/tiles/h200.json, swept on an H200).")] = None,
     gpus: Annotated[Optional[str], typer.Option(help="One engine per GPU: `all` or a number. With --device cpu, that "
                                                 "many CPU engine workers (a dry run of the same code).")] = None,
     ray: Annotated[Optional[str], typer.Option(
@@ -467,7 +470,7 @@ def bench(
     baseline_tokens: Annotated[int, typer.Option(help="Decode steps timed for transformers.")] = 16,
     cuda_graphs: Annotated[bool, typer.Option(help="Replay the decode step as a CUDA graph per batch bucket.")] = True,
     tiles: Annotated[Optional[Path], typer.Option(help="GEMV tile table for the triton backend (default: "
-                                                  "recipes/tiles/h200.json, swept on an H200).")] = None,
+                                                  "ocriaquant/recipes/tiles/h200.json, swept on an H200).")] = None,
     slo_p90: Annotated[Optional[float], typer.Option(help="Also find the highest concurrency whose p90 page "
                                                      "latency stays within this many seconds, and its pages/s.")] = None,
     prefill_budget: Annotated[Optional[int], typer.Option(help="Prompt tokens the engine prefills per step, beside "

@@ -4,7 +4,7 @@
 pages, same cost model) so the report shows what the search buys over a hand-written recipe;
 `ocriaquant export --recipe NAME` exports one as it stands. Not a verb: search imports it.
 
-A recipe is a YAML file in recipes/peers/ (or any path):
+A recipe is a YAML file in ocriaquant/recipes/peers/ (or any path):
 
     name: llmcompressor-nvfp4          # how --peers and --recipe call it
     title: llmcompressor Qwen3.5 NVFP4 example
@@ -41,8 +41,9 @@ import yaml
 
 from .errors import OcriaError
 from .model.groups import ALWAYS_BF16_KINDS, FORMATS, GROUP_KINDS, LayerGroup
+from .recipes import RECIPES
 
-PEERS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "peers"
+PEERS_DIR = RECIPES / "peers"
 BLOCKS = {"linear_attn": ("gdn_in", "gdn_ab", "gdn_out"), "self_attn": ("attn_qkv", "attn_o"),
           "mlp": ("mlp_up", "mlp_down")}
 NOT_GROUPS = {"mtp": "mtp.* is not a layer group; export carries it over untouched, in BF16"}
@@ -204,13 +205,13 @@ def _load_rule(raw, where: str) -> Rule:
 
 
 def load_recipe(name_or_path: str | Path) -> PeerRecipe:
-    """A peer recipe by name (recipes/peers/NAME.yaml) or by path, validated."""
+    """A peer recipe by name (ocriaquant/recipes/peers/NAME.yaml) or by path, validated."""
     path = Path(name_or_path)
     if not (path.suffix in (".yaml", ".yml") and path.is_file()):
         path = PEERS_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
             raise OcriaError(f"no peer recipe {str(name_or_path)!r}; known: {', '.join(available()) or 'none'} "
-                             f"(recipes/peers/), or pass a YAML file")
+                             f"(in {PEERS_DIR}), or pass a YAML file")
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:

@@ -1,6 +1,6 @@
 """`ocriaquant search`: pick a format per layer group, fastest within a parsing-quality tolerance.
 
-1. Space: a YAML policy (recipes/default.yaml) pins or forbids formats by group pattern.
+1. Space: a YAML policy (ocriaquant/recipes/default.yaml) pins or forbids formats by group pattern.
 2. Cost: predicted decode-step time per group and format on the target GPU, from a measured
    latency table (benchmarks/bench_kernels.py) where it has the shape, otherwise bytes moved /
    bandwidth (H200 4.8 TB/s, B200 8 TB/s).
@@ -21,7 +21,7 @@
    has an upper 95% bound within the tolerance. The report puts predicted and measured step time
    side by side per candidate, with their rank correlation (Spearman); a target the runtime
    cannot run at speed (b200: no FP4 tensor-core kernel) gets a projection, labelled as one.
-6. Peers: the recipes the field publishes for Qwen3.5 (recipes/peers/*.yaml, see peers.py)
+6. Peers: the recipes the field publishes for Qwen3.5 (ocriaquant/recipes/peers/*.yaml, see peers.py)
    are mapped onto the model's groups and evaluated beside ours — same numerics, same pages,
    same cost model, same runtime — and the report says where each sits against our frontier and
    whether the chosen plan dominates it. They are compared, never chosen.
@@ -47,8 +47,8 @@ from .errors import OcriaError
 from .files import write_json_atomic
 from .model.groups import BITS_PER_WEIGHT, FORMATS
 from .peers import PeerPlan, select as select_peers
+from .recipes import RECIPES
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_POLICY = RECIPES / "default.yaml"
 BANDWIDTH = {"h200": 4.8e12, "b200": 8.0e12}  # bytes/s
 # B200 dense tensor-core rates (FLOP/s, NVIDIA's datasheet) by weight format: what the b200
@@ -65,7 +65,7 @@ class SearchOptions:
     target: str = "h200"                  # h200 (NVFP4 weight-only, FP8 W8A8) or b200 (NVFP4 W4A4)
     batch: int = 1                        # the batch the user serves at: step time predicted (and measured) there
     max_ned_increase: float = 0.01        # tolerance: NED increase over BF16, 95% upper bound
-    policy: str | Path | None = None      # search-space YAML (None: recipes/default.yaml)
+    policy: str | Path | None = None      # search-space YAML (None: ocriaquant/recipes/default.yaml)
     latency_table: str | Path | None = None  # measured latencies (None: bytes / bandwidth)
     eval_pages: int = 256                 # held-out pages with ground truth decoded per candidate: all, up to this
     candidates: int = 4                   # frontier points evaluated besides BF16 / FP8 / NVFP4
@@ -872,8 +872,8 @@ def _write_markdown(path: Path, report: dict, chosen: Candidate, groups) -> None
     if not peers:
         lines += ["None evaluated (`--peers none`)."]
     else:
-        lines += [f"The layouts the field publishes for Qwen3.5 (recipes/peers/), mapped onto this model's layer "
-                  f"groups and evaluated exactly like our candidates: {report['target']} numerics, the same "
+        lines += [f"The layouts the field publishes for Qwen3.5 (ocriaquant/recipes/peers/), mapped onto this "
+                  f"model's layer groups and evaluated exactly like our candidates: {report['target']} numerics, the same "
                   f"{report['eval_pages']} held-out pages, the same runtime and cost model. They are compared, never "
                   f"chosen. *Dominates* means no slower ({sp['basis']}) and mean NED no worse, one of them "
                   "strictly; *speed vs BF16* is on the same basis.", "",

@@ -103,3 +103,19 @@ def test_nothing_below_the_verbs_imports_them():
     assert "ocriaquant.artifacts" in below
     bad = _violations(below, lambda _, x: any(_under(x, t) for t in tops))
     assert not bad, "arrows point down, never up to the verbs:\n" + "\n".join(bad)
+
+
+def test_recipes_ship_inside_the_package():
+    """The recipes are package data (pyproject's package-data), found through one constant: a
+    non-editable install carries them, and nothing reads them from the source tree."""
+    import ocriaquant
+    from ocriaquant import peers, search
+    from ocriaquant.recipes import RECIPES
+    from ocriaquant.runtime import tiles
+
+    pkg = Path(ocriaquant.__file__).resolve().parent
+    assert RECIPES == pkg / "recipes" and RECIPES.is_dir()
+    for name in ("default.yaml", "latency_h200.json", "tiles/h200.json"):
+        assert (RECIPES / name).is_file(), name
+    assert len(list((RECIPES / "peers").glob("*.yaml"))) >= 4
+    assert search.DEFAULT_POLICY.parent == peers.PEERS_DIR.parent == tiles.DEFAULT_FILE.parent.parent == RECIPES

@@ -1,4 +1,4 @@
-"""Published recipes as data (recipes/peers/*.yaml): loaded, validated, mapped onto layer groups."""
+"""Published recipes as data (ocriaquant/recipes/peers/*.yaml): loaded, validated, mapped onto layer groups."""
 
 import pytest
 

@@ -205,19 +205,24 @@ def test_spec_with_the_random_mtp_and_chunked_prefill(spec_dir, requests, greedy
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 def test_spec_on_the_triton_backend_equals_its_greedy(spec_dir, requests):
-    """The triton backend's verify and commit (kernels/gdn_verify.py, attention through qk_norm_rope +
-    attn_decode on B·(k+1) rows): its greedy tokens, on every acceptance path (oracle drafts); on the
-    CPU under Triton's interpreter, at one short request."""
+    """The triton backend's verify and deferred commit (kernels/gdn_verify.py: a step's GDN commit done
+    inside the next verify; attention through qk_norm_rope + attn_decode on B·(k+1) rows): its greedy
+    tokens, on every acceptance path (oracle drafts), three requests through two slots (one joins
+    a slot whose last step was never committed; rows of a step map to different rows of the last);
+    on a GPU through the (bucket, parity) graphs."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = RuntimeConfig(max_slots=2, max_len=32, backend="triton", device=dev)
-    reqs, limits = requests[:1], [7]
+    limits = [7, 3, 5]
     base = Engine(spec_dir, cfg)
-    tokens = {r.rid: r.tokens for r in base.generate(list(zip(reqs, limits)), max_batch=2, stop_at_eos=False)}
+    tokens = {r.rid: r.tokens for r in base.generate(list(zip(requests, limits)), max_batch=2, stop_at_eos=False)}
     engine = Engine(spec_dir, cfg, processor=base.processor, spec=2)
-    steps = oracle(engine.runner, reqs, tokens)
-    assert {r.rid: r.tokens for r in engine.generate(list(zip(reqs, limits)), max_batch=2,
+    steps = oracle(engine.runner, requests, tokens)
+    maps, rows_of = [], engine.runner._pending_rows
+    engine.runner._pending_rows = lambda slots: maps.append(rows_of(slots)[1]) or rows_of(slots)
+    assert {r.rid: r.tokens for r in engine.generate(list(zip(requests, limits)), max_batch=2,
                                                       stop_at_eos=False)} == tokens
-    assert {1, 2, 3} <= {n for row in steps for n in row}
+    assert engine.runner.deferred and {1, 2, 3} <= {n for row in steps for n in row}
+    assert any(j >= 0 for m in maps for j in m) and any(-1 in m for m in maps[1:])  # committed in a verify; fresh
 
 
 def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path):

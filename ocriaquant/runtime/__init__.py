@@ -1,7 +1,7 @@
 """Our serving runtime (DESIGN.md, Runtime), in nano-vllm's shape:
 
 - config.py         RuntimeConfig: backend, device, slots, CUDA graphs, PDL, tile table — chosen once
-- tiles.py          TileTable: GEMV tiles as data (recipes/tiles/*.json)
+- tiles.py          TileTable: GEMV tiles as data (ocriaquant/recipes/tiles/*.json)
 - engine.py         requests in, text out; continuous batching
 - scheduler.py      which sequences run this step
 - model_runner.py   ModelRunner: state buffers, batch buckets, CUDA graphs, the decode step

@@ -27,7 +27,7 @@ class RuntimeConfig:
     through runtime/kernels/; prefill torch, its FP8 GEMMs W8A8 on the tensor cores). max_slots: sequences held at once;
     max_len: cache length per slot. cuda_graphs: the triton backend on a GPU replays a graph per
     batch bucket. pdl: kernels launch with programmatic dependent launch where the GPU has it
-    (Hopper on). tiles: the GEMV tiles; None reads recipes/tiles/h200.json when the triton
+    (Hopper on). tiles: the GEMV tiles; None reads ocriaquant/recipes/tiles/h200.json when the triton
     backend needs it. spec: draft tokens per speculative step (0: none; > 0 needs the
     checkpoint's MTP layer, #55); draft_head / draft_vocab: the head drafts are scored with
     (models/mtp.draft_head: "bf16" or "fp8", the lowest `draft_vocab` ids only; 0: all)."""

@@ -54,12 +54,13 @@ class ModelRunner:
         self.state = self.model.alloc_state(self.max_slots + 1, self.max_len, self.device)
         self.use_graphs = config.cuda_graphs and self.kernels is not None and self.device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
-        self._spec_graphs: dict[int, tuple] = {}  # speculative steps' graphs (k drafts), by bucket
+        self._spec_graphs: dict[tuple[int, int], tuple] = {}  # speculative steps' graphs (k drafts), by (bucket, parity)
         self._pool = None
         self._last: tuple | None = None  # greedy_step's last launch (rows, its device meta): the next may chain
         self._flip = 0  # which of a bucket's two pinned token buffers the next greedy_step copies into
         self.spec = config.spec
         self.mtp = None
+        self._pending: tuple[int, int, list] | None = None  # a deferred GDN commit: (T, parity, its rows' slots)
         if self.spec:
             self._init_spec(store, kinds)
 
@@ -86,6 +87,10 @@ class ModelRunner:
         """One prefill pass: each (prompt, Chunk(slot, start, n)) advances that prompt's prefill
         in its slot by n tokens; chunks of one prompt must come in order, the first at 0.
         Returns the logits of each chunk's last position [chunks, vocab]."""
+        if self._pending is not None:  # a slot prefilled from its start has nothing left to commit
+            fresh = {c.slot for _, c in parts if c.start == 0}
+            T, parity, slots = self._pending
+            self._pending = (T, parity, [None if s in fresh else s for s in slots])
         if self.mtp is not None:  # speculative decoding: the same pass, then the MTP over its rows
             return self._prefill_and_draft(parts)
         return self.model.prefill(parts, self.state)
@@ -101,6 +106,7 @@ class ModelRunner:
                deltas: torch.Tensor) -> torch.Tensor:
         """One token per slot: tokens, slots, lengths (tokens already cached), M-RoPE deltas, all
         [B] on the device. Returns logits [B, vocab]. Runs eagerly."""
+        self.flush()
         span = 0
         if self.kernels is None:
             span = int(lengths.max()) + 1  # one host sync a step, shared by every attention layer
@@ -116,6 +122,7 @@ class ModelRunner:
         n = len(tokens)
         if lengths and max(lengths) >= self.max_len:
             raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
+        self.flush()
         bucket = bucket_for(n)
         if not self.use_graphs or bucket is None:
             meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
@@ -126,10 +133,12 @@ class ModelRunner:
         self._last = None  # the graph advanced meta, but nobody holds this step's tokens
         return out[:n]
 
-    def _write_meta(self, meta, bucket, tokens, slots, lengths, deltas) -> None:
+    def _write_meta(self, meta, bucket, tokens, slots, lengths, deltas, before=None) -> None:
         pad = bucket - len(tokens)
-        host = torch.tensor([tokens + [0] * pad, slots + [self.sentinel] * pad, lengths + [0] * pad,
-                             deltas + [0] * pad], dtype=torch.long).pin_memory()
+        rows = [tokens + [0] * pad, slots + [self.sentinel] * pad, lengths + [0] * pad, deltas + [0] * pad]
+        if before is not None:  # a deferred speculative step's rows in the pending one
+            rows.append(before + [-1] * pad)
+        host = torch.tensor(rows, dtype=torch.long).pin_memory()
         meta.copy_(host, non_blocking=True)
 
     @torch.no_grad()
@@ -146,6 +155,7 @@ class ModelRunner:
             raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
         if tokens is None and (self._last is None or self._last[0] != n):
             raise OcriaError("greedy_step(None, ...) chains from a last step of the same rows; there is none")
+        self.flush()
         bucket = bucket_for(n)
         if not self.use_graphs or bucket is None:
             if tokens is None:
@@ -177,10 +187,12 @@ class ModelRunner:
         if not self.use_graphs:
             return []
         top = bucket_for(max_batch) or BUCKETS[-1]
-        new = [b for b in BUCKETS if b <= top and (b not in self._graphs or self.spec and b not in self._spec_graphs)]
+        new = [b for b in BUCKETS if b <= top and (b not in self._graphs or self.spec and b <= self.spec_rows and
+                                                   any(k not in self._spec_graphs for k in self._spec_keys(b)))]
         for b in new:
             self._graph(b)
             if self.spec and b <= self.spec_rows:
+                self.flush()
                 self._spec_graph(b)
         return new
 
@@ -229,6 +241,12 @@ class ModelRunner:
     # k: the MTP over the T verified positions (next token = the target's argmax there, hidden =
     # the target's), its output at L+n giving d1, chained k-1 steps on its own output. All of it
     # stays on the device; the tokens come back through one copy at the end.
+    #
+    # With kernels the GDN commit is deferred: a step leaves it pending, and the next verify does
+    # it on its way through the state (kernels/gdn_verify's fused design: the state read and written
+    # once a step, 3.38x fla-core + glue at B 32, k 4 against replay's 2.90x). Two scratches per T
+    # alternate (parity): one pending, one being filled; a graph per (bucket, parity). flush()
+    # commits what is pending wherever a slot's GDN state is read otherwise.
 
     def _init_spec(self, store, kinds: dict[str, str]) -> None:
         from .models.mtp import MTP, draft_head, has_mtp
@@ -245,15 +263,38 @@ class ModelRunner:
         self.draft_head, self.draft_ids = draft_head(self.model.lm_head, self.config.draft_head,
                                                      self.config.draft_vocab, keep, self.kernels)
         self.spec_rows = max(self.max_slots, bucket_for(self.max_slots) or 0)  # rows a scratch holds
-        self._scratches: dict[int, list] = {}
-        self._scratch(self.spec + 1)
+        self.deferred = self.kernels is not None  # GDN commits ride on the next verify (see above)
+        self._scratches: dict[tuple[int, int], list] = {}
+        self._accepted = torch.ones(2, self.spec_rows, dtype=torch.int32, device=self.device)  # by parity: n + 1
+        for parity in ((0, 1) if self.deferred else (0,)):
+            self._scratch(self.spec + 1, parity)
 
-    def _scratch(self, tokens: int) -> list:
+    def _scratch(self, tokens: int, parity: int = 0) -> list:
         """The verify scratch of every layer for `tokens` positions (k + 1; fewer only where a row
-        nears max_len), allocated once."""
-        if tokens not in self._scratches:
-            self._scratches[tokens] = self.model.alloc_scratch(self.spec_rows, tokens, self.device)
-        return self._scratches[tokens]
+        nears max_len) and a parity (deferred commits alternate two), allocated once."""
+        if (tokens, parity) not in self._scratches:
+            self._scratches[tokens, parity] = self.model.alloc_scratch(self.spec_rows, tokens, self.device)
+        return self._scratches[tokens, parity]
+
+    def flush(self) -> None:
+        """Commit the GDN state a speculative step left pending (deferred: the next verify would), for
+        whatever reads the slots' GDN state otherwise: a plain decode step, a graph's warm-up."""
+        if self._pending is None:
+            return
+        T, parity, slots = self._pending
+        self._pending = None
+        sl = torch.tensor([-1 if s is None else s for s in slots], dtype=torch.long, device=self.device)
+        self.model.commit(self.state, self._scratch(T, parity), sl, self._accepted[parity, :len(slots)])
+
+    def _pending_rows(self, slots: list[int]) -> tuple[int, list[int] | None]:
+        """This step's parity and, deferred, each row's row in the pending step (-1: nothing pending)."""
+        if not self.deferred:
+            return 0, None
+        if self._pending is None:
+            return 0, [-1] * len(slots)
+        _, parity, before = self._pending
+        where = {s: j for j, s in enumerate(before) if s is not None}
+        return 1 - parity, [where.get(s, -1) for s in slots]
 
     def _draft_token(self, h: torch.Tensor) -> torch.Tensor:
         best = self.draft_head(h).argmax(-1)
@@ -324,30 +365,54 @@ class ModelRunner:
         bsz = len(slots)
         if bsz > self.spec_rows:
             raise OcriaError(f"{bsz} speculative rows, but the runner holds {self.spec_rows}")
+        if self._pending is not None and self._pending[0] != T:  # the fused verify continues a step of its T
+            self.flush()
         bucket = bucket_for(bsz)
-        if self.use_graphs and clock is None and T == self.spec + 1 and bucket is not None:
-            graph, meta, target, n = self._spec_graph(bucket)
-            self._write_meta(meta, bucket, tokens, slots, lengths, deltas)
+        graphed = self.use_graphs and clock is None and T == self.spec + 1 and bucket is not None
+        if graphed and any(key not in self._spec_graphs for key in self._spec_keys(bucket)):
+            self.flush()  # a capture's warm-up writes the scratches and accepted lengths of both parities
+            self._spec_graph(bucket)
+        parity, before = self._pending_rows(slots)
+        if graphed:
+            graph, meta, target, n = self._spec_graphs[bucket, parity]
+            self._write_meta(meta, bucket, tokens, slots, lengths, deltas, before)
             graph.replay()
-            return PendingSpec(target[:bsz].clone(), n[:bsz].clone())  # the next replay overwrites the graph's
-        meta = torch.tensor([tokens, slots, lengths, deltas], dtype=torch.long).to(self.device)
-        spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
-        return PendingSpec(*self._spec_body(*meta, T, spans, clock))
+            out = PendingSpec(target[:bsz].clone(), n[:bsz].clone())  # the next replay overwrites the graph's
+        else:
+            meta = torch.tensor([tokens, slots, lengths, deltas] + ([before] if self.deferred else []),
+                                dtype=torch.long).to(self.device)
+            spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
+            out = PendingSpec(*self._spec_body(*meta[:4], T, spans, clock, parity,
+                                               meta[4] if self.deferred else None))
+        if self.deferred:
+            self._pending = (T, parity, list(slots))
+        return out
+
+    def _spec_keys(self, bucket: int) -> list[tuple[int, int]]:
+        return [(bucket, parity) for parity in ((0, 1) if self.deferred else (0,))]
 
     def _spec_body(self, tok: torch.Tensor, sl: torch.Tensor, ln: torch.Tensor, dl: torch.Tensor, T: int,
-                   spans: tuple[int, int], clock=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   spans: tuple[int, int], clock=None, parity: int = 0,
+                   before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """spec_step on the device (what its graph holds): rows' last tokens, slots, lengths, deltas [B];
         T positions verified; spans: the torch path's attention spans for the verify and the drafting
-        (0 with kernels). Returns the target's argmax [B, T] and the drafts accepted per row [B]."""
+        (0 with kernels); deferred (`before`: each row's row in the pending step, -1 none), the
+        pending step is committed inside this verify and this one's left pending, in scratch
+        `parity`. Returns the target's argmax [B, T] and the drafts accepted per row [B]."""
         bsz = tok.shape[0]
         inp = torch.cat([tok[:, None], self.drafts[sl, :T - 1]], 1)                      # [B, T]
-        scratch = self._scratch(T)
-        logits, hidden = self.model.verify(inp, sl, ln, dl, self.state, scratch, spans[0])
+        scratch = self._scratch(T, parity)
+        pending = None if before is None else (self._scratch(T, 1 - parity), before.to(torch.int32),
+                                               self._accepted[1 - parity])
+        logits, hidden = self.model.verify(inp, sl, ln, dl, self.state, scratch, spans[0], pending)
         target = logits.argmax(-1)                                                        # [B, T]
         n = (inp[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)                       # drafts accepted
         if clock:
             clock("verify")
-        self.model.commit(self.state, scratch, sl, n + 1)  # the single commit call site (gdn_commit with kernels)
+        if before is None:
+            self.model.commit(self.state, scratch, sl, n + 1)  # gdn_commit's call site (flush's too)
+        else:
+            self._accepted[parity, :bsz] = (n + 1).to(torch.int32)  # committed by the next verify, or flush
         if clock:
             clock("commit")
         # The MTP over all T verified positions (fixed shape): rows past a row's n write KV entries at
@@ -362,25 +427,34 @@ class ModelRunner:
             clock("draft")
         return target, n
 
-    def _spec_graph(self, bucket: int):
-        """Capture (once) the speculative step for `bucket` rows and k drafts, as _graph does the
-        decode step: warm-up and capture with every row on the sentinel slot; one memory pool with
-        the decode graphs (no two replay at once)."""
-        if bucket not in self._spec_graphs:
-            meta = torch.zeros(4, bucket, dtype=torch.long, device=self.device)
+    def _spec_graph(self, bucket: int) -> None:
+        """Capture (once) the speculative step for `bucket` rows and k drafts, one graph per parity
+        when deferred, as _graph does the decode step: warm-up and capture with every row on the
+        sentinel slot and nothing pending; one memory pool with the decode graphs (no two replay at
+        once). Nothing may be pending (flush): the warm-up writes both parities' scratches."""
+        for key in self._spec_keys(bucket):
+            if key in self._spec_graphs:
+                continue
+            meta = torch.zeros(5 if self.deferred else 4, bucket, dtype=torch.long, device=self.device)
             meta[1] = self.sentinel
+            if self.deferred:
+                meta[4] = -1
+
+            def body(meta=meta, parity=key[1]):
+                return self._spec_body(*meta[:4], self.spec + 1, (0, 0), None, parity,
+                                       meta[4] if self.deferred else None)
+
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # compile the kernels and allocate their workspaces outside the graph
                 for _ in range(2):
-                    self._spec_body(*meta, self.spec + 1, (0, 0))
+                    body()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                target, n = self._spec_body(*meta, self.spec + 1, (0, 0))
+                target, n = body()
             self._pool = graph.pool()
-            self._spec_graphs[bucket] = (graph, meta, target, n)
-        return self._spec_graphs[bucket]
+            self._spec_graphs[key] = (graph, meta, target, n)
 
 
 class PendingSpec:

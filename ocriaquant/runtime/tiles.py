@@ -1,7 +1,7 @@
 """GEMV tiles as data: a table from (kernel kind, weight shape [n, k], batch) to the tile
-arguments the launcher takes. The runtime reads recipes/tiles/h200.json unless given another
-file (`--tiles FILE`); a GPU other than the H200 gets its own file, swept with
-benchmarks/bench_kernels.py.
+arguments the launcher takes. The runtime reads ocriaquant/recipes/tiles/h200.json (shipped in
+the package) unless given another file (`--tiles FILE`); a GPU other than the H200 gets its own
+file, swept with benchmarks/bench_kernels.py.
 
 Kinds: bf16, fp8, nvfp4 (a Linear's GEMV in its format), fp8_qx (the FP8 GEMV that quantizes
 its own input at batch 1: gemv_fp8_quantizing), nvfp4_silu (a fused NVFP4 gate_up with
@@ -15,11 +15,12 @@ import json
 from pathlib import Path
 
 from ..errors import OcriaError
+from ..recipes import RECIPES
 
 KINDS = ("bf16", "fp8", "fp8_qx", "nvfp4", "nvfp4_silu")
 FIELDS = ("block_n", "block_k", "num_warps", "split_k", "num_stages")
 MAX_BATCH = 64  # the GEMV kernels take M <= 64 (QuantLinear.uses_kernels)
-DEFAULT_FILE = Path(__file__).resolve().parent.parent.parent / "recipes" / "tiles" / "h200.json"
+DEFAULT_FILE = RECIPES / "tiles" / "h200.json"
 
 # A shape missing from the table: tiles every launcher takes at any shape (16 × 256 does not fit
 # gemv_nvfp4_silu, whose tiles are whole 32-row blocks), correct, not tuned.
@@ -61,12 +62,12 @@ class TileTable:
 
     @classmethod
     def default(cls) -> "TileTable":
-        """recipes/tiles/h200.json, read once per process."""
+        """ocriaquant/recipes/tiles/h200.json, read once per process."""
         global _DEFAULT
         if _DEFAULT is None:
             if not DEFAULT_FILE.is_file():
-                raise OcriaError(f"the default tile table {DEFAULT_FILE} is missing (ocriaquant runs from its source "
-                                 "tree); pass a table with --tiles FILE")
+                raise OcriaError(f"the default tile table {DEFAULT_FILE} is missing (an install without the "
+                                 "package's recipes/ data); pass a table with --tiles FILE")
             _DEFAULT = cls.load(DEFAULT_FILE)
         return _DEFAULT
 

@@ -194,23 +194,27 @@ class GatedDeltaNet(nn.Module):
                 "states": torch.zeros(rows, tokens - 1, self.HV, self.V, self.K, dtype=torch.float32, device=device)}
 
     def verify(self, x: torch.Tensor, state: dict, step: Step, slots: torch.Tensor, scratch,
-               x_q: tuple | None = None) -> torch.Tensor:
+               x_q: tuple | None = None, pending: tuple | None = None) -> torch.Tensor:
         """x [B·T, D]: T tokens per row, row b's at rows b·T … b·T+T-1, continuing its slot's state
         (slots [B], one per row; `step` is the flattened rows' Step, its slots32 unused here) ->
         [B·T, D], each token's output exactly as T sequential decode steps give it. Leaves in `scratch`
         (alloc_scratch) what commit needs to roll back to any prefix, the slot's conv state untouched and
         its recurrent state after all T tokens (torch) or untouched (kernels' replay design): only commit's
-        result is the contract. x_q: as decode's."""
+        result is the contract. x_q: as decode's. pending (kernels only): (scratch, rows, accepted) of a
+        verify not yet committed, committed first in the same pass (gdn_verify's Pending)."""
         bsz = slots.shape[0]
         T = x.shape[0] // bsz
         p = self._proj(x, x_q)
         if self.kernels:  # one launch for the T conv + delta-rule updates of every row (kernels/gdn_verify.py)
-            from ..kernels.gdn_verify import gdn_verify
+            from ..kernels.gdn_verify import Pending, gdn_verify
 
             o = gdn_verify(*(p[n].unflatten(0, (bsz, T)) for n in self.INPUTS), state["conv"], self.conv_weight,
                            self.A_log, self.dt_bias, self.norm_weight, state["ssm"], slots.to(torch.int32), scratch,
-                           self.H, self.K, self.V, self.eps, pdl=self.kernels.pdl)
+                           self.H, self.K, self.V, self.eps, pending=pending and Pending(*pending),
+                           pdl=self.kernels.pdl)
             return self.out_proj(o.reshape(bsz * T, -1))
+        if pending is not None:
+            raise ValueError("a pending commit rides on the kernels' verify only; the torch path commits at once")
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
         qkv = p["in_proj_qkv"].unflatten(0, (bsz, T))                              # [B, T, C]

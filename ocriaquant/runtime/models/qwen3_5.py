@@ -246,10 +246,10 @@ class Qwen3_5(nn.Module):
         return self.lm_head(n, *n_q)
 
     def _rows(self, x: torch.Tensor, step: Step, state: list[dict], scratch: list | None = None,
-              slots: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+              slots: torch.Tensor | None = None, pending: tuple | None = None) -> tuple[torch.Tensor, list]:
         """The decoder over decode-style rows (step) -> the final norm's output [R, D] and the form
         the head's GEMV reads. With `scratch` (speculative verify: R = B·T rows, T per row of `slots`)
-        the GDN layers run verify (GatedDeltaNet.verify) instead of decode."""
+        the GDN layers run verify (GatedDeltaNet.verify) instead of decode; `pending` as verify's."""
         if self.kernels:
             from ..kernels.add_rmsnorm import add_rmsnorm
 
@@ -267,7 +267,8 @@ class Qwen3_5(nn.Module):
         for i, (layer, st, (mixer_q, mlp_q)) in enumerate(zip(self.layers, state, self.norm_quant)):
             x, n, *n_q = norm(x, h, layer.input_layernorm, mixer_q)
             if scratch is not None and isinstance(layer.mixer, GatedDeltaNet):
-                h = layer.mixer.verify(n, st, step, slots, scratch[i], *n_q)
+                h = layer.mixer.verify(n, st, step, slots, scratch[i], *n_q,
+                                       pending=pending and (pending[0][i], *pending[1:]))
             else:
                 h = layer.mixer.decode(n, st, step, *n_q, partials=partials)
             x, n, *n_q = norm(x, h, layer.post_attention_layernorm, mlp_q)
@@ -285,14 +286,17 @@ class Qwen3_5(nn.Module):
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
-               state: list[dict], scratch: list, span: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               state: list[dict], scratch: list, span: int = 0,
+               pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Score T tokens per row in one pass: tokens [B, T] (the last accepted token, then the
         drafts) at positions lengths[b] … lengths[b]+T-1 of slot slots[b]. Attention treats each
         (row, position) as its own decode row on the row's slot (all T keys written, each query
         seeing its slot's cache up to its own position); Linears and MLPs run the B·T rows at once;
         GDN layers run their verify, keeping in `scratch` (alloc_scratch) what commit needs.
         Returns the logits [B, T, vocab] and the final norm's output [B, T, D] (what the MTP reads).
-        Until commit the slots' KV caches hold all T tokens, their GDN states are the verify's business."""
+        Until commit the slots' KV caches hold all T tokens, their GDN states are the verify's business.
+        pending (kernels): (the scratch list of a step not yet committed, each row's row in it
+        (int32 [B], -1: none), that step's accepted lengths): committed first, inside the verify."""
         bsz, T = tokens.shape
         ahead = torch.arange(T, device=tokens.device)
 
@@ -300,7 +304,7 @@ class Qwen3_5(nn.Module):
             return t.repeat_interleave(T)
 
         x, step = self.step(tokens.reshape(-1), rows(slots), (lengths[:, None] + ahead).reshape(-1), rows(deltas), span)
-        n, n_q = self._rows(x, step, state, scratch, slots)
+        n, n_q = self._rows(x, step, state, scratch, slots, pending)
         return self.lm_head(n, *n_q).unflatten(0, (bsz, T)), n.unflatten(0, (bsz, T))
 
     @torch.no_grad()

@@ -351,6 +351,9 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
                                                spec=o.spec, draft_head=o.draft_head, draft_vocab=o.draft_vocab),
                      source=source)
     vocab = rt.hf_config.text_config.vocab_size
+    probs = given_acceptance(o)
+    if probs and shape is not None:  # random weights accept nothing: steps accept as the file says, costs real
+        rt.simulate_acceptance(probs)
     bw = copy_bandwidth(dev) if dev.type == "cuda" else float("nan")
     report = {"model": label, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "backend": backend, "cuda_graphs": rt.use_graphs, "tiles": rt.tiles.source if rt.tiles else None,
@@ -380,11 +383,14 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
             row["speedup_vs_transformers"] = round(row["tok_per_s"] / (b / sec), 1)
             log(f"transformers batch {b}: {b / sec:.1f} tok/s -> ours {row['speedup_vs_transformers']}x")
     if o.spec:
-        report["spec"] = spec_report(rt, o, batches, context, steps, report["decode"], log)
+        report["spec"] = spec_report(rt, o, probs, batches, context, steps, report["decode"], log)
+        report["spec"]["simulated_acceptance"] = rt._simulated is not None
     del hf  # the baseline's memory goes back before the pages run
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     engine = Engine(runner=rt, processor=processor, prefill_budget=o.prefill_budget or PREFILL_BUDGET)
+    # with --spec, pages are served both ways on the same runner: plain decoding first, the comparison
+    plain = Engine(runner=rt, processor=processor, prefill_budget=engine.prefill_budget, spec=0) if o.spec else None
     encs = [encode(p) for p in page_list]
     report["prefill_budget"] = engine.prefill_budget
     if concurrency or o.slo_p90:
@@ -395,9 +401,10 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
         t = time.perf_counter()
         # the page's prompt in two passes, so a chunk that continues a slot's state (its own kernel
         # variants: fla-core's with an initial state, masked attention) compiles here too
-        budget, engine.prefill_budget = engine.prefill_budget, encs[0]["input_ids"].shape[1] // 2 + 1
-        list(engine.generate([(encs[0], 2)], max_batch=1, stop_at_eos=False))
-        engine.prefill_budget = budget
+        for e in filter(None, (plain, engine)):
+            budget, e.prefill_budget = e.prefill_budget, encs[0]["input_ids"].shape[1] // 2 + 1
+            list(e.generate([(encs[0], 2)], max_batch=1, stop_at_eos=False))
+            e.prefill_budget = budget
         captured = rt.capture_buckets(max(concurrency + ([SLO_MAX_CONCURRENCY] if o.slo_p90 else [])))
         report["pages_warmup_s"] = round(time.perf_counter() - t, 1)
         log(f"pages warm-up: {report['pages_warmup_s']} s (one page in two passes, buckets captured: {captured or 'none'})")
@@ -406,13 +413,23 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
             log(f"one page's prefill: vision {pf['vision_s']} s + text {pf['text_s']} s = {pf['total_s']} s, "
                 f"{pf['over_roofline']}x its roofline ({pf['vision_tflop']} + {pf['text_tflop']} TFLOP at "
                 f"{pf['dense_bf16_tflop_s']} TFLOP/s)")
-    for c in concurrency:
-        n = pages or max(4, c)
-        row = page_speed(engine, (encs * (n // len(encs) + 1))[:n], c, out_tokens)
-        report["pages"].append(row)
-        log(f"pages at concurrency {c}: {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 {row['p90_s']} s")
-    if o.slo_p90:
-        report["slo"] = pages_at_slo(engine, encs, o.slo_p90, out_tokens, SLO_MAX_CONCURRENCY, pages, log)
+    for key, e in (("_plain", plain), ("", engine)):
+        if e is None:
+            continue
+        what = " (plain decoding)" if key else " (speculative)" if o.spec else ""
+        for c in concurrency:
+            n = pages or max(4, c)
+            row = page_speed(e, (encs * (n // len(encs) + 1))[:n], c, out_tokens)
+            report.setdefault("pages" + key, []).append(row)
+            log(f"pages at concurrency {c}{what}: {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 "
+                f"{row['p90_s']} s" + (f", {row['accepted_length']} tokens a verify" if "accepted_length" in row else ""))
+        if o.slo_p90:
+            report["slo" + key] = pages_at_slo(e, encs, o.slo_p90, out_tokens, SLO_MAX_CONCURRENCY, pages,
+                                               lambda m, what=what: log(m + what))
+    if o.spec and o.slo_p90:
+        sp, pl = report["slo"]["pages_per_s"], report["slo_plain"]["pages_per_s"]
+        report["spec"]["slo_pages_per_s"] = {"plain": pl, "spec": sp, "ratio": round(sp / pl, 3) if pl else None}
+        log(f"pages within p90 <= {o.slo_p90} s: speculative {sp} against plain {pl} pages/s")
     if o.spec and report["pages"] and o.acceptance is None:  # a checkpoint's MTP: acceptance measured on the pages
         report["spec"]["measured_accepted_length"] = {r["concurrency"]: r.get("accepted_length")
                                                       for r in report["pages"]}
@@ -431,22 +448,31 @@ def add_random_mtp(store, config, device: str, seed: int = 0) -> None:
     store.where.update(dict.fromkeys(tensors))
 
 
-def spec_report(rt, o: BenchOptions, batches: list[int], context: int, steps: int, decode: list[dict],
-                log: Callable[[str], None]) -> dict:
-    """Speculative decoding at each batch: the step's phases timed for real (verify of k+1 positions,
-    commit, the MTP's drafting), the draft head's cost beside the full head's, the accepted length
-    at which a step breaks even with plain decode, and, from the acceptance given (--acceptance:
-    not measured here), the expected tokens per step and tok/s."""
+def given_acceptance(o: BenchOptions) -> list[float] | None:
+    """--acceptance FILE read as P(a step gives 1 … k+1 tokens) (runtime.measure.accepted_lengths)."""
     import json
 
-    from .runtime.measure import accepted_lengths, spec_step_speed
+    from .runtime.measure import accepted_lengths
 
-    k, probs = o.spec, None
-    if o.acceptance is not None:
-        try:
-            probs = accepted_lengths(json.loads(Path(o.acceptance).read_text()), k)
-        except (OSError, ValueError) as e:
-            raise OcriaError(f"--acceptance {o.acceptance}: {e}") from None
+    if not o.spec or o.acceptance is None:
+        return None
+    try:
+        return accepted_lengths(json.loads(Path(o.acceptance).read_text()), o.spec)
+    except (OSError, ValueError) as e:
+        raise OcriaError(f"--acceptance {o.acceptance}: {e}") from None
+
+
+def spec_report(rt, o: BenchOptions, probs: list[float] | None, batches: list[int], context: int, steps: int,
+                decode: list[dict], log: Callable[[str], None]) -> dict:
+    """Speculative decoding at each batch: the step's phases timed for real (verify of k+1 positions,
+    commit, the MTP's drafting), the draft head's cost beside the full head's, the accepted length
+    at which a step breaks even with plain decode, the speed-up at each accepted length, and, from
+    the acceptance given (probs, --acceptance: not measured here), the expected tokens per step and
+    tok/s."""
+    from .runtime.measure import spec_step_speed
+
+    k = o.spec
+    if probs is not None:
         source = f"from {o.acceptance} (given, not measured: expected tok/s below assume it)"
     else:
         source = "measured on the pages (pages rows' accepted_length)"
@@ -514,11 +540,12 @@ def table(report: dict):
                   f"{r['speedup_vs_transformers']}×" if "speedup_vs_transformers" in r else "—")
     p = Table(title=f"pages — {report['page_px'][0]}×{report['page_px'][1]} px, {report['page_prompt_tokens']} "
                     f"prompt tokens, {report['out_tokens']} out tokens each")
-    for col in ("concurrency", "pages", "pages/s", "p50 s", "p90 s", "tok/s"):
+    for col in ("decoding", "concurrency", "pages", "pages/s", "p50 s", "p90 s", "tok/s", "tokens a verify"):
         p.add_column(col, justify="right")
-    for r in report["pages"]:
-        p.add_row(str(r["concurrency"]), str(r["pages"]), f"{r['pages_per_s']:.3f}", f"{r['p50_s']:.2f}",
-                  f"{r['p90_s']:.2f}", f"{r['tok_per_s']:.0f}")
+    for key, what in (("pages_plain", "plain"), ("pages", "speculative" if "spec" in report else "plain")):
+        for r in report.get(key, []):
+            p.add_row(what, str(r["concurrency"]), str(r["pages"]), f"{r['pages_per_s']:.3f}", f"{r['p50_s']:.2f}",
+                      f"{r['p90_s']:.2f}", f"{r['tok_per_s']:.0f}", str(r.get("accepted_length", "—")))
     tables = [d, p]
     if "prefill" in report:
         pf = report["prefill"]
@@ -529,11 +556,13 @@ def table(report: dict):
         f.add_row(f"{pf['vision_s']:.3f}", f"{pf['text_s']:.3f}", f"{pf['total_s']:.3f}", f"{pf['roofline_s']:.3f}",
                   f"{pf['over_roofline']:.2f}")
         tables.append(f)
-    if "slo" in report:
-        slo = report["slo"]
-        t = Table(title=f"pages within p90 ≤ {slo['slo_p90_s']} s: {slo['pages_per_s']:.3f} pages/s at concurrency "
-                        f"{slo['concurrency']}" if slo["concurrency"] else
-                        f"pages within p90 ≤ {slo['slo_p90_s']} s: not held even one page at a time")
+    for key, what in (("slo_plain", ", plain decoding"), ("slo", ", speculative" if "spec" in report else "")):
+        if key not in report:
+            continue
+        slo = report[key]
+        t = Table(title=f"pages within p90 ≤ {slo['slo_p90_s']} s{what}: {slo['pages_per_s']:.3f} pages/s at "
+                        f"concurrency {slo['concurrency']}" if slo["concurrency"] else
+                        f"pages within p90 ≤ {slo['slo_p90_s']} s{what}: not held even one page at a time")
         for col in ("concurrency", "pages", "pages/s", "p50 s", "p90 s", "first token p50 s", "held"):
             t.add_column(col, justify="right")
         for r in slo["levels"]:

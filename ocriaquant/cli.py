@@ -484,7 +484,8 @@ def bench(
     acceptance: Annotated[Optional[Path], typer.Option(help="With --spec: JSON acceptance to expect, "
                                                        "{\"accepted_length_probs\": [P(1 token), P(2), ...]} or "
                                                        "{\"position_acceptance\": [a1, a2, ...]}; needed with --shape "
-                                                       "(random weights accept nothing). The report says it was "
+                                                       "(random weights accept nothing: each step's rows then accept "
+                                                       "as drawn from it, the costs real). The report says it was "
                                                        "given, not measured.")] = None,
     draft_head: Annotated[str, typer.Option(help="With --spec: the head drafts are scored with, bf16 or fp8.")] = "bf16",
     draft_vocab: Annotated[int, typer.Option(help="With --spec: score drafts over the lowest N token ids only (0: "
@@ -500,6 +501,7 @@ def bench(
     state, KV cache) over the copy bandwidth measured in the same run. Pages are synthetic,
     vision encoder and prefill included. On a GPU, one page's prefill is also timed against its
     FLOP roofline; `--slo-p90 10` finds the highest concurrency whose p90 latency holds 10 s.
+    With `--spec K` the pages are served both ways, plain decoding and speculative.
 
     Examples:
 

@@ -19,9 +19,9 @@ def _run(engine, encs, limits):
         calls.append(("decode", len(slots)))
         return decode(tokens, slots, *rest)
 
-    def prefill_chunks(parts):
+    def prefill_chunks(parts, **kw):
         calls.append(("prefill", [c for _, c in parts]))
-        return prefill(parts)
+        return prefill(parts, **kw)
 
     runner.greedy_step, runner.prefill_chunks = greedy_step, prefill_chunks
     try:

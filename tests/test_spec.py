@@ -74,9 +74,9 @@ def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[
     prefill, step = runner.prefill_chunks, runner.spec_step
     vocab = runner.hf_config.text_config.vocab_size
 
-    def prefill_chunks(parts):
+    def prefill_chunks(parts, **kw):
         owner.update({c.slot: p.length for p, c in parts if c.start == 0})
-        return prefill(parts)
+        return prefill(parts, **kw)
 
     def spec_step(tokens, slots, lengths, deltas, **kw):
         k = runner.spec
@@ -195,7 +195,7 @@ def test_spec_with_the_random_mtp_and_chunked_prefill(spec_dir, requests, greedy
     assert engine.runner.draft_head.kind == "fp8" and engine.runner.draft_ids.tolist() == list(range(100)) + [eos]
     calls = []
     prefill = engine.runner.prefill_chunks
-    engine.runner.prefill_chunks = lambda parts: calls.append([c for _, c in parts]) or prefill(parts)
+    engine.runner.prefill_chunks = lambda parts, **kw: calls.append([c for _, c in parts]) or prefill(parts, **kw)
     res = list(engine.generate(list(zip(requests, LIMITS)), max_batch=2, stop_at_eos=False))
     assert {r.rid: r.tokens for r in res} == tokens
     assert any(c.start > 0 for p in calls for c in p)
@@ -265,8 +265,13 @@ def test_bench_spec_times_the_step_and_expects_the_given_acceptance(spec_dir, tm
     acc = tmp_path / "acceptance.json"
     acc.write_text(json.dumps({"position_acceptance": [0.8, 0.5]}))
     rep = bench.run(spec_dir, bench.BenchOptions(device="cpu", backend="torch", batches=(2,), context=8, steps=1,
-                                                 concurrency=(), baseline=False, megapixels=0.2, spec=2,
-                                                 acceptance=acc), log=lambda m: None)
+                                                 concurrency=(2,), pages=2, out_tokens=5, baseline=False,
+                                                 megapixels=0.2, spec=2, acceptance=acc), log=lambda m: None)
+    # pages served both ways on the one runner: plain decoding, then speculative (the checkpoint's MTP:
+    # its acceptance measured, not simulated)
+    (plain,), (spec,) = rep["pages_plain"], rep["pages"]
+    assert plain["concurrency"] == spec["concurrency"] == 2 and "accepted_length" not in plain
+    assert 1 <= spec["accepted_length"] <= 3 and not rep["spec"]["simulated_acceptance"]
     sp = rep["spec"]
     assert sp["k"] == 2 and "given, not measured" in sp["acceptance"]
     assert sp["expected_accepted_length"] == pytest.approx(1 + 0.8 + 0.4)
@@ -278,6 +283,22 @@ def test_bench_spec_times_the_step_and_expects_the_given_acceptance(spec_dir, tm
     with pytest.raises(OcriaError, match="--acceptance"):
         bench.run(None, bench.BenchOptions(shape="qwen3.5-0.8b", device="cpu", backend="torch", spec=2),
                   log=lambda m: None)
+
+
+@pytest.mark.parametrize("probs, tokens", [([0, 0, 1], 3.0), ([1, 0, 0], 1.0)])
+def test_simulated_acceptance_sets_the_tokens_a_step_gives(spec_dir, requests, probs, tokens):
+    """bench's random-weights mode: each step's rows accept as many drafts as drawn from the given
+    distribution (here certain), whatever the target says; set after a graph exists it is refused."""
+    engine = Engine(spec_dir, RuntimeConfig(max_slots=2, max_len=64), spec=2)
+    engine.runner.simulate_acceptance(probs)
+    res = list(engine.generate([(r, 7) for r in requests[:2]], max_batch=2, stop_at_eos=False))
+    assert all(len(r.tokens) == 7 for r in res)
+    assert all(r.verified == tokens * r.verifies for r in res)  # every verify gave `tokens` tokens
+    with pytest.raises(ValueError, match="3 probabilities"):
+        engine.runner.simulate_acceptance([1.0])
+    engine.runner._spec_graphs[1, 0] = None
+    with pytest.raises(OcriaError, match="before the speculative graphs"):
+        engine.runner.simulate_acceptance(probs)
 
 
 def test_spec_needs_an_mtp_layer(tiny_model_dir):

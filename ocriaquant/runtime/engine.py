@@ -43,15 +43,17 @@ class Engine:
         """From a checkpoint directory (None: the bundled model) and a RuntimeConfig, or from a
         built `runner` and `processor` (bench). prefill_budget: prompt tokens prefilled per step.
         spec: draft tokens per speculative step (the checkpoint's MTP drafts them; None: the
-        config's, or the runner's)."""
+        config's, or the runner's; 0 with a speculative runner: plain decoding on it, as bench
+        compares)."""
         if prefill_budget < 1:
             raise ValueError(f"prefill_budget must be at least 1 token, got {prefill_budget}")
-        if runner is not None and spec is not None and spec != runner.spec:
-            raise ValueError(f"spec={spec}, but the runner was built with spec={runner.spec} (RuntimeConfig.spec)")
+        if runner is not None and spec not in (None, 0, runner.spec):
+            raise ValueError(f"spec={spec}, but the runner was built with spec={runner.spec} (RuntimeConfig.spec; "
+                             "0: plain decoding on it)")
         if runner is None and spec is not None:
             config = replace(config or RuntimeConfig(), spec=spec)
         self.runner = runner or ModelRunner(checkpoint, config)
-        self.spec = self.runner.spec
+        self.spec = self.runner.spec if spec is None else spec
         self.processor = processor or load_processor(resolve_model_dir(checkpoint))
         self.prefill_budget = prefill_budget
         tok = self.processor.tokenizer
@@ -128,7 +130,7 @@ class Engine:
         if fresh:  # the vision tower, once per page, ahead of its first text chunk
             for seq, prompt in zip(fresh, self.runner.encode([seq.enc for seq in fresh])):
                 seq.prompt, seq.enc, seq.delta = prompt, None, prompt.delta
-        logits = self.runner.prefill_chunks([(seq.prompt, chunk) for seq, chunk in plan])
+        logits = self.runner.prefill_chunks([(seq.prompt, chunk) for seq, chunk in plan], draft=bool(self.spec))
         if got is not None:
             for seq, nxt in zip(run, got.get()):
                 seq.length += 1

@@ -83,15 +83,16 @@ class ModelRunner:
                                  "raise max_len")
         return self.model.encode(encs)
 
-    def prefill_chunks(self, parts: list[tuple[Prompt, Chunk]]) -> torch.Tensor:
+    def prefill_chunks(self, parts: list[tuple[Prompt, Chunk]], draft: bool = True) -> torch.Tensor:
         """One prefill pass: each (prompt, Chunk(slot, start, n)) advances that prompt's prefill
         in its slot by n tokens; chunks of one prompt must come in order, the first at 0.
-        Returns the logits of each chunk's last position [chunks, vocab]."""
+        Returns the logits of each chunk's last position [chunks, vocab]. draft: with speculative
+        decoding, the MTP fills its cache behind the pass (False: plain decoding follows)."""
         if self._pending is not None:  # a slot prefilled from its start has nothing left to commit
             fresh = {c.slot for _, c in parts if c.start == 0}
             T, parity, slots = self._pending
             self._pending = (T, parity, [None if s in fresh else s for s in slots])
-        if self.mtp is not None:  # speculative decoding: the same pass, then the MTP over its rows
+        if self.mtp is not None and draft:  # speculative decoding: the same pass, then the MTP over its rows
             return self._prefill_and_draft(parts)
         return self.model.prefill(parts, self.state)
 
@@ -263,6 +264,7 @@ class ModelRunner:
         self.draft_head, self.draft_ids = draft_head(self.model.lm_head, self.config.draft_head,
                                                      self.config.draft_vocab, keep, self.kernels)
         self.spec_rows = max(self.max_slots, bucket_for(self.max_slots) or 0)  # rows a scratch holds
+        self._simulated: torch.Tensor | None = None  # simulate_acceptance's cumulative probabilities
         self.deferred = self.kernels is not None  # GDN commits ride on the next verify (see above)
         self._scratches: dict[tuple[int, int], list] = {}
         self._accepted = torch.ones(2, self.spec_rows, dtype=torch.int32, device=self.device)  # by parity: n + 1
@@ -295,6 +297,19 @@ class ModelRunner:
         _, parity, before = self._pending
         where = {s: j for j, s in enumerate(before) if s is not None}
         return 1 - parity, [where.get(s, -1) for s in slots]
+
+    def simulate_acceptance(self, probs: list[float] | None) -> None:
+        """For benchmarks on random weights only (bench --acceptance on a named shape), whose drafts the
+        target never accepts: each row of a step accepts a number of drafts drawn on the device from
+        `probs` (P(a step gives 1 … k+1 tokens)) instead of where draft and target agree. The step's
+        costs stay real (verify, commit at that length, drafting); its tokens mean nothing. Set it
+        before any speculative graph is captured (they are captured with or without it); None: off."""
+        if self._spec_graphs:
+            raise OcriaError("simulate_acceptance: set it before the speculative graphs are captured")
+        if probs is not None and len(probs) != self.spec + 1:
+            raise ValueError(f"simulate_acceptance: {self.spec + 1} probabilities (1 … k+1 tokens), got {len(probs)}")
+        self._simulated = None if probs is None else \
+            torch.tensor(probs, dtype=torch.float32, device=self.device).cumsum(0)
 
     def _draft_token(self, h: torch.Tensor) -> torch.Tensor:
         best = self.draft_head(h).argmax(-1)
@@ -407,6 +422,9 @@ class ModelRunner:
         logits, hidden = self.model.verify(inp, sl, ln, dl, self.state, scratch, spans[0], pending)
         target = logits.argmax(-1)                                                        # [B, T]
         n = (inp[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)                       # drafts accepted
+        if self._simulated is not None:  # bench on random weights: the accepted count drawn (simulate_acceptance)
+            u = torch.rand(bsz, device=tok.device) * self._simulated[-1]
+            n = torch.searchsorted(self._simulated, u, right=True).clamp(max=T - 1)
         if clock:
             clock("verify")
         if before is None:

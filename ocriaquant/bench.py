@@ -343,7 +343,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
         return dict(processor(images=[page.image], text=[chat_text(processor, page.prompt)], return_tensors="pt"))
 
     prompt_len = encode(page_list[0])["input_ids"].shape[1]
-    max_len = max(prompt_len + out_tokens, context + steps + 8) + 8
+    max_len = max(prompt_len + out_tokens, context + (steps + 5) * (o.spec + 1) + 8) + 8  # spec rows grow k+1 a step
     slots = max(batches + concurrency + ([SLO_MAX_CONCURRENCY] if o.slo_p90 else []))
     log(f"runtime: backend {backend}, {slots} slots, max_len {max_len} (page prompt {prompt_len} tokens)")
     rt = ModelRunner(checkpoint, RuntimeConfig(backend=backend, device=device, max_slots=slots, max_len=max_len,

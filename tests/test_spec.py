@@ -64,13 +64,14 @@ def wrong_at(turn: int, k: int) -> int:
     return [k + 1, 1 + (turn // 4) % k, 1, k][turn % 4]
 
 
-def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[list[int]]:
+def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> tuple[list[list[int]], list[bool]]:
     """Make `runner` verify the true greedy continuation (spoiled per wrong_at) in place of its MTP's
     drafts: written into runner.drafts from the host before each spec_step (so a step's CUDA graph
-    reads them as it reads the MTP's); returns the list each spec_step's accepted lengths are
+    reads them as it reads the MTP's); returns the lists each spec_step's accepted lengths, and
+    whether it was chained (launched from the device before the last one's tokens were read), are
     appended to."""
     full = {r["input_ids"].shape[1]: r["input_ids"][0].tolist() + tokens[i] for i, r in enumerate(requests)}
-    owner, steps, turns = {}, [], {}
+    owner, steps, chained, turns = {}, [], [], {}
     prefill, step = runner.prefill_chunks, runner.spec_step
     vocab = runner.hf_config.text_config.vocab_size
 
@@ -80,6 +81,10 @@ def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[
 
     def spec_step(tokens, slots, lengths, deltas, **kw):
         k = runner.spec
+        if tokens is None:  # chained: the rows' lengths are on the device, where the last step left them
+            _, bucket, nxt = runner._last_spec
+            meta = nxt if bucket is None else runner._spec_graphs[bucket, 1 - runner._pending[1]][1]
+            lengths = meta[2, :len(slots)].tolist()
         rows = []
         for s, n in zip(slots, lengths):  # the row's last token is seq[n]; its drafts seq[n+1 … n+k]
             seq = full[owner[s]]
@@ -90,12 +95,13 @@ def oracle(runner: ModelRunner, requests, tokens: dict[int, list[int]]) -> list[
                 row[bad - 1] = (row[bad - 1] + 1) % vocab
             rows.append(row)
         runner.drafts[torch.tensor(slots, device=runner.device)] = torch.tensor(rows, device=runner.device)
+        chained.append(tokens is None)
         got = step(tokens, slots, lengths, deltas, **kw)
         steps.append([len(t) for t in got.get()])
         return got
 
     runner.prefill_chunks, runner.spec_step = prefill_chunks, spec_step
-    return steps
+    return steps, chained
 
 
 def test_verify_then_commit_equals_sequential_decode(spec_dir):
@@ -173,7 +179,7 @@ def test_spec_tokens_equal_greedy_on_every_acceptance_path(k, spec_dir, requests
     assert want[0] == tokens[0][:7]
     engine = Engine(spec_dir, RuntimeConfig(max_slots=2, max_len=64), processor=base.processor, spec=k)
     engine.eos = {stop}
-    steps = oracle(engine.runner, requests, tokens)
+    steps, chained = oracle(engine.runner, requests, tokens)
     res = list(engine.generate(list(zip(requests, LIMITS)), max_batch=2))
     assert {r.rid: r.tokens for r in res} == want
     assert k == 1 or any(r.verified > len(r.tokens) - 1 for r in res)  # a run cut by EOS or the limit mid-way
@@ -181,6 +187,7 @@ def test_spec_tokens_equal_greedy_on_every_acceptance_path(k, spec_dir, requests
     assert {1, k + 1} <= seen and (k == 1 or seen - {1, k + 1})
     assert any(len(set(row)) > 1 for row in steps)
     assert all(r.verifies > 0 and 1 <= r.accepted_length <= k + 1 for r in res)
+    assert any(chained) and not all(chained)  # steps launched from the device, and from the host
 
 
 def test_spec_with_the_random_mtp_and_chunked_prefill(spec_dir, requests, greedy):
@@ -216,12 +223,12 @@ def test_spec_on_the_triton_backend_equals_its_greedy(spec_dir, requests):
     base = Engine(spec_dir, cfg)
     tokens = {r.rid: r.tokens for r in base.generate(list(zip(requests, limits)), max_batch=2, stop_at_eos=False)}
     engine = Engine(spec_dir, cfg, processor=base.processor, spec=2)
-    steps = oracle(engine.runner, requests, tokens)
+    steps, chained = oracle(engine.runner, requests, tokens)
     maps, rows_of = [], engine.runner._pending_rows
     engine.runner._pending_rows = lambda slots: maps.append(rows_of(slots)[1]) or rows_of(slots)
     assert {r.rid: r.tokens for r in engine.generate(list(zip(requests, limits)), max_batch=2,
                                                       stop_at_eos=False)} == tokens
-    assert engine.runner.deferred and {1, 2, 3} <= {n for row in steps for n in row}
+    assert engine.runner.deferred and {1, 2, 3} <= {n for row in steps for n in row} and any(chained)
     assert any(j >= 0 for m in maps for j in m) and any(-1 in m for m in maps[1:])  # committed in a verify; fresh
 
 

@@ -151,30 +151,53 @@ class Engine:
         step's prefill pass (_mixed_step with no decode rows; the MTP cache fills behind it, and a
         prompt that ends there gets its drafts). A row takes its tokens one by one, as greedy
         decoding would, and stops where that would: tokens after an EOS or past max_new_tokens are
-        dropped (its slot is rewritten by the next prefill)."""
+        dropped (its slot is rewritten by the next prefill). With nothing prefilling, steps chain as
+        generate's do: the next goes out, fed on the device, before this one's tokens are read."""
+        pending = None  # a launched speculative step whose tokens are not read yet: (its rows, PendingSpec)
+        k1 = self.runner.spec + 1
         while True:
-            sched.admit()
-            if sched.idle:
-                return
-            run = sched.decoding
-            got = None
-            if run:
-                got = self.runner.spec_step([s.tokens[-1] for s in run], [s.slot for s in run],
-                                            [s.length for s in run], [s.delta for s in run])
-            if any(s.prefilling for s in sched.running):
-                self._mixed_step(sched, [], stops)
-            if got is not None:
-                for seq, toks in zip(run, got.get()):
-                    seq.length += len(toks)
-                    seq.verifies += 1
-                    seq.verified += len(toks)
-                    for t in toks:
-                        self._append(seq, t, stops)
-                        if seq.done:
-                            break
-                if on_step:
-                    on_step(len(run))
+            if pending is None:
+                sched.admit()
+                if sched.idle:
+                    return
+                run = sched.decoding
+                got = None
+                if run:
+                    got = self.runner.spec_step([s.tokens[-1] for s in run], [s.slot for s in run],
+                                                [s.length for s in run], [s.delta for s in run])
+                prefilling = any(s.prefilling for s in sched.running)
+                if prefilling or got is None:  # a prefill pass behind the step; no chaining across it
+                    if prefilling:
+                        self._mixed_step(sched, [], stops)
+                    if got is not None:
+                        self._take(run, got, stops, on_step)
+                    yield from self._finished(sched)
+                    continue
+                pending = (run, got)
+            run, got = pending
+            ahead = None  # the next step, chained: only rows that are not done, none that could pass max_len
+            if got.chainable and all(not s.done for s in run) and \
+                    max(s.length for s in run) + 2 * k1 < self.runner.max_len:
+                ahead = (run, self.runner.spec_step(None, [s.slot for s in run], [s.length for s in run],
+                                                     [s.delta for s in run]))
+            self._take(run, got, stops, on_step)
             yield from self._finished(sched)
+            pending = ahead
+
+    def _take(self, run: list[Sequence], got, stops: set[int], on_step) -> None:
+        """A speculative step's tokens into its rows, each cut where greedy decoding would stop."""
+        for seq, toks in zip(run, got.get()):
+            if seq.done:  # finished by the step before (chained): its tokens here are past its end
+                continue
+            seq.length += len(toks)
+            seq.verifies += 1
+            seq.verified += len(toks)
+            for t in toks:
+                self._append(seq, t, stops)
+                if seq.done:
+                    break
+        if on_step:
+            on_step(len(run))
 
     def _finished(self, sched: Scheduler) -> Iterator[Result]:
         tok = self.processor.tokenizer

@@ -125,12 +125,14 @@ __all__ = ["decode_speed", "page_speed", "page_stats", "pages_at_slo"]
 
 def spec_step_speed(rt, batch: int, context: int, steps: int, vocab: int) -> dict:
     """A speculative step at `batch` rows (ModelRunner.spec_step: verify k+1 positions, commit, draft
-    k): as the engine runs it (its CUDA graph where the runner has them), "step_s"; and eagerly with
-    its phases timed apart (synchronized after each), "verify_s", "commit_s", "draft_s" and their
-    "eager_step_s". Medians over `steps` steps after 2 untimed. The drafts are what the runner's MTP
-    proposes; the step's cost does not depend on how many are accepted (fixed shapes). Rows 0 …
-    batch-1 at `context` cached tokens, rewritten each step (their state is overwritten by the next
-    prefill)."""
+    k): as the engine runs it, "step_s" (its CUDA graph where the runner has them, each step launched
+    chained to the last before the last one's tokens are read, as decode_speed times plain steps);
+    and eagerly with its phases timed apart (synchronized after each), "verify_s", "commit_s",
+    "draft_s" and their "eager_step_s". Medians (phases) and means (chained) over `steps` steps
+    after 2 untimed. The drafts are what the runner's MTP proposes; the step's cost does not depend
+    on how many are accepted (fixed shapes). Rows 0 … batch-1 from `context` cached tokens, growing
+    by up to k+1 a step (the runner needs max_len >= context + (steps + 5)·(k+1)); their state is
+    overwritten by the next prefill."""
     g = torch.Generator().manual_seed(batch)
     tokens = torch.randint(0, vocab, (batch,), generator=g).tolist()
     slots, lengths, deltas = list(range(batch)), [context] * batch, [0] * batch
@@ -141,31 +143,45 @@ def spec_step_speed(rt, batch: int, context: int, steps: int, vocab: int) -> dic
         sync(rt.device)
         marks.append((name, time.perf_counter()))
 
-    phases = {"verify": [], "commit": [], "draft": [], "eager_step": [], "step": []}
+    phases = {"verify": [], "commit": [], "draft": [], "eager_step": []}
     collecting = gc.isenabled()
     try:
-        for timed in (clock, None):
-            for i in range(2 + steps):
-                if i == 2:
-                    gc.collect()
-                    gc.disable()
-                marks.clear()
+        for i in range(2 + steps):  # eagerly, phase by phase
+            if i == 2:
+                gc.collect()
+                gc.disable()
+            marks.clear()
+            sync(rt.device)
+            t = time.perf_counter()
+            rt.spec_step(tokens, slots, lengths, deltas, clock=clock).get()
+            if i < 2:
+                continue
+            prev = t
+            for name, at in marks:
+                phases[name].append(at - prev)
+                prev = at
+            phases["eager_step"].append(time.perf_counter() - t)
+        if collecting:
+            gc.enable()
+        k1 = rt.spec + 1
+        pending = rt.spec_step(tokens, slots, lengths, deltas)
+        for i in range(2 + steps):  # as the engine runs them: chained
+            if i == 2:
+                pending.get()
                 sync(rt.device)
+                gc.collect()
+                gc.disable()
                 t = time.perf_counter()
-                rt.spec_step(tokens, slots, lengths, deltas, clock=timed).get()
-                if i < 2:
-                    continue
-                prev = t
-                for name, at in marks:
-                    phases[name].append(at - prev)
-                    prev = at
-                phases["step" if timed is None else "eager_step"].append(time.perf_counter() - t)
-            if collecting:
-                gc.enable()
+            ahead = rt.spec_step(None, slots, lengths, deltas)
+            lengths = [n + k1 for n in lengths]  # an upper bound of where the rows are: max_len stays checked
+            pending.get()
+            pending = ahead
+        pending.get()
+        step_s = (time.perf_counter() - t) / steps
     finally:
         if collecting:
             gc.enable()
-    return {f"{k}_s": statistics.median(v) for k, v in phases.items()}
+    return {**{f"{k}_s": statistics.median(v) for k, v in phases.items()}, "step_s": step_s}
 
 
 def accepted_lengths(acceptance, k: int) -> list[float]:

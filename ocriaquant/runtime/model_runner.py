@@ -61,6 +61,7 @@ class ModelRunner:
         self.spec = config.spec
         self.mtp = None
         self._pending: tuple[int, int, list] | None = None  # a deferred GDN commit: (T, parity, its rows' slots)
+        self._last_spec: tuple | None = None  # a step the next may chain from: (rows, bucket or None, its next inputs)
         if self.spec:
             self._init_spec(store, kinds)
 
@@ -88,6 +89,7 @@ class ModelRunner:
         in its slot by n tokens; chunks of one prompt must come in order, the first at 0.
         Returns the logits of each chunk's last position [chunks, vocab]. draft: with speculative
         decoding, the MTP fills its cache behind the pass (False: plain decoding follows)."""
+        self._last_spec = None
         if self._pending is not None:  # a slot prefilled from its start has nothing left to commit
             fresh = {c.slot for _, c in parts if c.start == 0}
             T, parity, slots = self._pending
@@ -281,6 +283,7 @@ class ModelRunner:
     def flush(self) -> None:
         """Commit the GDN state a speculative step left pending (deferred: the next verify would), for
         whatever reads the slots' GDN state otherwise: a plain decode step, a graph's warm-up."""
+        self._last_spec = None  # what a chained step would continue is being changed
         if self._pending is None:
             return
         T, parity, slots = self._pending
@@ -362,7 +365,7 @@ class ModelRunner:
         return logits
 
     @torch.no_grad()
-    def spec_step(self, tokens: list[int], slots: list[int], lengths: list[int], deltas: list[int],
+    def spec_step(self, tokens: list[int] | None, slots: list[int], lengths: list[int], deltas: list[int],
                   clock=None) -> "PendingSpec":
         """One speculative step for decode rows (host lists, as greedy_step's): verify each row's
         last token and its k drafts, accept the longest prefix of drafts the target agrees with,
@@ -370,9 +373,16 @@ class ModelRunner:
         k+1: the accepted drafts and the target's token after them), exactly those greedy decoding
         gives. With CUDA graphs the batch is padded to its bucket and the (bucket, k) graph
         replayed; rows near max_len verify fewer drafts, eagerly. clock(name): called after each
-        phase (bench times them; it synchronizes, so the step runs eagerly)."""
+        phase (bench times them; it synchronizes, so the step runs eagerly).
+
+        tokens None chains: the same rows as the last step (one of k+1 positions, handle.chainable),
+        each fed that step's last token at its new length, both on the device: nothing goes there
+        from the host, so the caller can launch this step before it reads the last one's tokens.
+        `lengths` are then the rows' lengths before the last step, for the max_len check."""
         if self.mtp is None:
             raise OcriaError("spec_step needs a runner built with spec > 0 (RuntimeConfig.spec)")
+        if tokens is None:
+            return self._chained_spec_step(slots, lengths)
         top = max(lengths)
         if top >= self.max_len:
             raise OcriaError(f"a sequence reached the runtime's max_len {self.max_len}; raise max_len")
@@ -388,17 +398,45 @@ class ModelRunner:
             self.flush()  # a capture's warm-up writes the scratches and accepted lengths of both parities
             self._spec_graph(bucket)
         parity, before = self._pending_rows(slots)
+        chainable = T == self.spec + 1 and clock is None
         if graphed:
             graph, meta, target, n = self._spec_graphs[bucket, parity]
             self._write_meta(meta, bucket, tokens, slots, lengths, deltas, before)
             graph.replay()
-            out = PendingSpec(target[:bsz].clone(), n[:bsz].clone())  # the next replay overwrites the graph's
+            out = PendingSpec(target[:bsz].clone(), n[:bsz].clone(), True)  # the next replay overwrites the graph's
+            self._last_spec = (bsz, bucket, None)
         else:
             meta = torch.tensor([tokens, slots, lengths, deltas] + ([before] if self.deferred else []),
                                 dtype=torch.long).to(self.device)
             spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
+            nxt = torch.empty_like(meta) if chainable else None
             out = PendingSpec(*self._spec_body(*meta[:4], T, spans, clock, parity,
-                                               meta[4] if self.deferred else None))
+                                               meta[4] if self.deferred else None, nxt), chainable)
+            self._last_spec = (bsz, None, nxt) if chainable else None
+        if self.deferred:
+            self._pending = (T, parity, list(slots))
+        return out
+
+    def _chained_spec_step(self, slots: list[int], lengths: list[int]) -> "PendingSpec":
+        """spec_step(None, ...): the last step's rows again, from the inputs it left on the device."""
+        bsz, T = len(slots), self.spec + 1
+        if self._last_spec is None or self._last_spec[0] != bsz:
+            raise OcriaError("spec_step(None, ...) chains from a last speculative step of the same rows; there is none")
+        if max(lengths) + 2 * T >= self.max_len:  # the rows may have grown by up to T since `lengths`
+            raise OcriaError(f"a chained speculative step could pass max_len {self.max_len}; run it from the host")
+        _, bucket, nxt = self._last_spec
+        parity = 1 - self._pending[1] if self.deferred else 0
+        if bucket is not None:  # the last graph wrote this graph's inputs
+            graph, _, target, n = self._spec_graphs[bucket, parity]
+            graph.replay()
+            out = PendingSpec(target[:bsz].clone(), n[:bsz].clone(), True)
+        else:
+            top = max(lengths) + T  # at most: spans need only bound the rows' positions
+            spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
+            after = torch.empty_like(nxt)
+            out = PendingSpec(*self._spec_body(*nxt[:4], T, spans, None, parity,
+                                               nxt[4] if self.deferred else None, after), True)
+            self._last_spec = (bsz, None, after)
         if self.deferred:
             self._pending = (T, parity, list(slots))
         return out
@@ -407,13 +445,15 @@ class ModelRunner:
         return [(bucket, parity) for parity in ((0, 1) if self.deferred else (0,))]
 
     def _spec_body(self, tok: torch.Tensor, sl: torch.Tensor, ln: torch.Tensor, dl: torch.Tensor, T: int,
-                   spans: tuple[int, int], clock=None, parity: int = 0,
-                   before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   spans: tuple[int, int], clock=None, parity: int = 0, before: torch.Tensor | None = None,
+                   nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """spec_step on the device (what its graph holds): rows' last tokens, slots, lengths, deltas [B];
         T positions verified; spans: the torch path's attention spans for the verify and the drafting
         (0 with kernels); deferred (`before`: each row's row in the pending step, -1 none), the
         pending step is committed inside this verify and this one's left pending, in scratch
-        `parity`. Returns the target's argmax [B, T] and the drafts accepted per row [B]."""
+        `parity`; nxt [4 or 5, B]: where the next step's inputs go, for a chained call (padding
+        rows, on the sentinel slot, stay at length 0). Returns the target's argmax [B, T] and the
+        drafts accepted per row [B]."""
         bsz = tok.shape[0]
         inp = torch.cat([tok[:, None], self.drafts[sl, :T - 1]], 1)                      # [B, T]
         scratch = self._scratch(T, parity)
@@ -441,6 +481,12 @@ class ModelRunner:
         h = self.mtp.decode(e, hidden.reshape(bsz * T, -1), self.mtp_state, step).unflatten(0, (bsz, T))
         rows = torch.arange(bsz, device=tok.device)
         self._chain(h[rows, n], sl, ln + n + 1, dl, spans[1])
+        if nxt is not None:  # the same rows next, each fed its last token (the target's own) past what it accepted
+            pad = sl == self.sentinel
+            nxt[0], nxt[1], nxt[3] = target[rows, n], sl, dl
+            nxt[2] = torch.where(pad, 0, ln + n + 1)
+            if before is not None:
+                nxt[4] = torch.where(pad, -1, rows)
         if clock:
             clock("draft")
         return target, n
@@ -450,17 +496,22 @@ class ModelRunner:
         when deferred, as _graph does the decode step: warm-up and capture with every row on the
         sentinel slot and nothing pending; one memory pool with the decode graphs (no two replay at
         once). Nothing may be pending (flush): the warm-up writes both parities' scratches."""
-        for key in self._spec_keys(bucket):
-            if key in self._spec_graphs:
-                continue
+        keys = self._spec_keys(bucket)
+        metas = {}
+        for _, parity in keys:  # a graph writes the next step's inputs into the other parity's (chaining)
             meta = torch.zeros(5 if self.deferred else 4, bucket, dtype=torch.long, device=self.device)
             meta[1] = self.sentinel
             if self.deferred:
                 meta[4] = -1
+            metas[parity] = meta
+        for key in keys:
+            if key in self._spec_graphs:
+                continue
+            meta = metas[key[1]]
 
             def body(meta=meta, parity=key[1]):
                 return self._spec_body(*meta[:4], self.spec + 1, (0, 0), None, parity,
-                                       meta[4] if self.deferred else None)
+                                       meta[4] if self.deferred else None, metas[1 - parity] if self.deferred else None)
 
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -476,10 +527,11 @@ class ModelRunner:
 
 
 class PendingSpec:
-    """A speculative step's tokens: get() returns each row's accepted tokens as lists."""
+    """A speculative step's tokens: get() returns each row's accepted tokens as lists. chainable:
+    the next step may be launched from the device (spec_step(None, ...)) before get()."""
 
-    def __init__(self, target: torch.Tensor, n: torch.Tensor):
-        self._target, self._n = target, n
+    def __init__(self, target: torch.Tensor, n: torch.Tensor, chainable: bool = False):
+        self._target, self._n, self.chainable = target, n, chainable
 
     def get(self) -> list[list[int]]:
         target, n = self._target.tolist(), self._n.tolist()

@@ -285,7 +285,7 @@ class BenchOptions:
     prefill_budget: int | None = None   # prompt tokens the engine prefills per step (None: the engine's)
     spec: int = 0                       # speculative decoding (#55): drafts per step from the MTP (a shape's: random)
     acceptance: Path | None = None      # with spec: the acceptance (JSON, measure.accepted_lengths) tok/s expects
-    draft_head: str = "bf16"            # with spec: the head drafts are scored with (bf16, fp8)
+    draft: str = "bf16"                 # with spec: the drafter's weights (MTP Linears + head: bf16, fp8)
     draft_vocab: int = 0                # with spec: the draft vocabulary, lowest ids (0: all)
 
 
@@ -348,7 +348,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
     log(f"runtime: backend {backend}, {slots} slots, max_len {max_len} (page prompt {prompt_len} tokens)")
     rt = ModelRunner(checkpoint, RuntimeConfig(backend=backend, device=device, max_slots=slots, max_len=max_len,
                                                cuda_graphs=cuda_graphs, tiles=TileTable.load(tiles) if tiles else None,
-                                               spec=o.spec, draft_head=o.draft_head, draft_vocab=o.draft_vocab),
+                                               spec=o.spec, draft=o.draft, draft_vocab=o.draft_vocab),
                      source=source)
     vocab = rt.hf_config.text_config.vocab_size
     probs = given_acceptance(o)
@@ -505,7 +505,7 @@ def spec_report(rt, o: BenchOptions, probs: list[float] | None, batches: list[in
             f"step {row['plain_step_ms']} ms: breaks even at {row['break_even_accepted_length']} tokens per step"
             + (f"; expected {row['expected_tok_per_s']} tok/s ({row['expected_speedup']}x)" if expected else ""))
     return {"k": k, "acceptance": source, "accepted_length_probs": probs, "expected_accepted_length": expected,
-            "draft_head": o.draft_head, "draft_vocab": o.draft_vocab or vocab, "cuda_graphs": rt.use_graphs,
+            "draft": o.draft, "draft_vocab": o.draft_vocab or vocab, "cuda_graphs": rt.use_graphs,
             "gdn_commit": "inside the next verify (deferred; commit ms ~0)" if rt.deferred else "after each verify",
             "steps": rows}
 
@@ -572,7 +572,7 @@ def table(report: dict):
         tables.append(t)
     if "spec" in report:
         sp = report["spec"]
-        t = Table(title=f"speculative decoding, {sp['k']} drafts a step (draft head {sp['draft_head']}, vocabulary "
+        t = Table(title=f"speculative decoding, {sp['k']} drafts a step (drafter {sp['draft']}, vocabulary "
                         f"{sp['draft_vocab']}); acceptance {sp['acceptance']}")
         for col in ("batch", "step ms", "eager step ms", "verify ms", "commit ms", "draft ms", "draft head ms",
                     "plain step ms", "break-even tokens/step", "expected tok/s", "expected ×"):

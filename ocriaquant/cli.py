@@ -487,7 +487,9 @@ def bench(
                                                        "(random weights accept nothing: each step's rows then accept "
                                                        "as drawn from it, the costs real). The report says it was "
                                                        "given, not measured.")] = None,
-    draft_head: Annotated[str, typer.Option(help="With --spec: the head drafts are scored with, bf16 or fp8.")] = "bf16",
+    draft: Annotated[str, typer.Option(help="With --spec: the drafter's weights, bf16 or fp8 (the MTP layer's BF16 "
+                                       "Linears and the head drafts are scored with, quantized at load: cheaper "
+                                       "drafts, never a different output).")] = "bf16",
     draft_vocab: Annotated[int, typer.Option(help="With --spec: score drafts over the lowest N token ids only (0: "
                                              "all).", min=0)] = 0,
     out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
@@ -508,7 +510,7 @@ def bench(
         ocriaquant bench --shape qwen3.5-4b --plan mixed
         ocriaquant bench --shape qwen3.5-4b --batches 1,64 --concurrency "" --slo-p90 10
         ocriaquant bench ocriaquant-out/checkpoint --batches 1,8 --concurrency 8
-        ocriaquant bench --shape qwen3.5-4b --spec 4 --acceptance acceptance.json --draft-vocab 32768
+        ocriaquant bench --shape qwen3.5-4b --spec 3 --acceptance benchmarks/acceptance_mean3_k3.json --draft fp8
         ocriaquant bench --shape qwen3.5-4b --gpus all --concurrency 32
     """
     from .bench import BenchOptions, gpus_table, run, run_gpus, table
@@ -519,7 +521,7 @@ def bench(
                         concurrency=tuple(_ints(concurrency, "--concurrency")) if concurrency.strip() else (),
                         pages=pages, megapixels=megapixels, out_tokens=out_tokens, baseline=baseline,
                         baseline_tokens=baseline_tokens, cuda_graphs=cuda_graphs, tiles=tiles, slo_p90=slo_p90,
-                        prefill_budget=prefill_budget, spec=spec, acceptance=acceptance, draft_head=draft_head,
+                        prefill_budget=prefill_budget, spec=spec, acceptance=acceptance, draft=draft,
                         draft_vocab=draft_vocab)
     log = lambda m: err_console.print(f"[dim]{m}[/]")  # noqa: E731
     if gpus is not None:

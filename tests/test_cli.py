@@ -94,11 +94,11 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
     real = ModelRunner.prefill_chunks
     calls = []
 
-    def prefill_chunks(self, parts):
+    def prefill_chunks(self, parts, **kw):
         calls.append(len(parts))
         if len(calls) == 1:
             time.sleep(first_cost)
-        return real(self, parts)
+        return real(self, parts, **kw)
 
     monkeypatch.setattr(ModelRunner, "prefill_chunks", prefill_chunks)
     rep = bench.run(None, bench.BenchOptions(device="cpu", backend="torch", batches=(1,), context=8, steps=1,

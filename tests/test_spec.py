@@ -195,11 +195,12 @@ def test_spec_with_the_random_mtp_and_chunked_prefill(spec_dir, requests, greedy
     prefilled in chunks of 5 tokens while the other slot decodes speculatively, and a cache just long
     enough (rows near max_len verify fewer drafts): greedy's tokens."""
     tokens, base = greedy
-    cfg = RuntimeConfig(max_slots=2, max_len=max(p + n for p, n in zip(PROMPTS, LIMITS)) - 1, draft_head="fp8",
+    cfg = RuntimeConfig(max_slots=2, max_len=max(p + n for p, n in zip(PROMPTS, LIMITS)) - 1, draft="fp8",
                         draft_vocab=100)
     engine = Engine(spec_dir, cfg, processor=base.processor, spec=4, prefill_budget=5)
     eos = engine.runner.hf_config.text_config.eos_token_id
     assert engine.runner.draft_head.kind == "fp8" and engine.runner.draft_ids.tolist() == list(range(100)) + [eos]
+    assert engine.runner.mtp.fc.kind == engine.runner.mtp.mlp.down_proj.kind == "fp8"  # the MTP's Linears too
     calls = []
     prefill = engine.runner.prefill_chunks
     engine.runner.prefill_chunks = lambda parts, **kw: calls.append([c for _, c in parts]) or prefill(parts, **kw)

@@ -29,8 +29,9 @@ class RuntimeConfig:
     batch bucket. pdl: kernels launch with programmatic dependent launch where the GPU has it
     (Hopper on). tiles: the GEMV tiles; None reads ocriaquant/recipes/tiles/h200.json when the triton
     backend needs it. spec: draft tokens per speculative step (0: none; > 0 needs the
-    checkpoint's MTP layer, #55); draft_head / draft_vocab: the head drafts are scored with
-    (models/mtp.draft_head: "bf16" or "fp8", the lowest `draft_vocab` ids only; 0: all)."""
+    checkpoint's MTP layer, #55); draft / draft_vocab: the drafter's weights — the MTP layer's
+    BF16 Linears and the head drafts are scored with (models/mtp.draft_head) — in "bf16" or "fp8"
+    (per-channel, made at load), and the lowest `draft_vocab` ids only (0: all)."""
     backend: str = "torch"
     device: str | torch.device = "cpu"
     dtype: torch.dtype = torch.bfloat16
@@ -40,7 +41,7 @@ class RuntimeConfig:
     pdl: bool = field(default_factory=pdl_from_env)
     tiles: TileTable | None = None
     spec: int = 0
-    draft_head: str = "bf16"
+    draft: str = "bf16"
     draft_vocab: int = 0
 
     def __post_init__(self):
@@ -49,9 +50,9 @@ class RuntimeConfig:
         if self.max_slots < 1 or self.max_len < 2:
             raise OcriaError(f"the runtime needs at least 1 slot and a cache of 2 tokens; got max_slots "
                              f"{self.max_slots}, max_len {self.max_len}")
-        if not 0 <= self.spec <= MAX_SPEC or self.draft_vocab < 0 or self.draft_head not in ("bf16", "fp8"):
-            raise OcriaError(f"speculative decoding takes 0 to {MAX_SPEC} draft tokens, a draft head of bf16 or fp8 "
-                             f"and a draft vocabulary >= 0; got spec {self.spec}, draft_head {self.draft_head!r}, "
+        if not 0 <= self.spec <= MAX_SPEC or self.draft_vocab < 0 or self.draft not in ("bf16", "fp8"):
+            raise OcriaError(f"speculative decoding takes 0 to {MAX_SPEC} draft tokens, drafter weights in bf16 or fp8 "
+                             f"and a draft vocabulary >= 0; got spec {self.spec}, draft {self.draft!r}, "
                              f"draft_vocab {self.draft_vocab}")
         object.__setattr__(self, "device", torch.device(self.device))
 

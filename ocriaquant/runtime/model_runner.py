@@ -258,12 +258,12 @@ class ModelRunner:
             raise OcriaError(f"{store.model_dir}: speculative decoding (--spec {self.spec}) drafts with the "
                              "checkpoint's MTP layer, and this checkpoint has no MTP layer (no mtp.* tensors); run "
                              "without --spec, or use a checkpoint that carries one")
-        self.mtp = MTP(self.hf_config, store, kinds, self.dtype, self.kernels).to(self.device).eval()
+        self.mtp = MTP(self.hf_config, store, kinds, self.dtype, self.kernels, self.config.draft).to(self.device).eval()
         self.mtp_state = self.mtp.alloc_state(self.max_slots + 1, self.max_len, self.device, self.dtype)
         self.drafts = torch.zeros(self.max_slots + 1, self.spec, dtype=torch.long, device=self.device)
         eos = self.hf_config.text_config.eos_token_id
         keep = tuple(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        self.draft_head, self.draft_ids = draft_head(self.model.lm_head, self.config.draft_head,
+        self.draft_head, self.draft_ids = draft_head(self.model.lm_head, self.config.draft,
                                                      self.config.draft_vocab, keep, self.kernels)
         self.spec_rows = max(self.max_slots, bucket_for(self.max_slots) or 0)  # rows a scratch holds
         self._simulated: torch.Tensor | None = None  # simulate_acceptance's cumulative probabilities

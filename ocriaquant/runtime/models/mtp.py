@@ -29,16 +29,24 @@ def has_mtp(store) -> bool:
 class MTP(nn.Module):
     """One MTP layer: fc(cat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h))) → a full-attention
     decoder layer (gated attention + MLP, the decoder's own classes) → norm. The head is the
-    runner's (draft_head: the model's LM head, or a cheaper one)."""
+    runner's (draft_head: the model's LM head, or a cheaper one). fmt "fp8": the Linears the
+    checkpoint holds in BF16 are quantized at load (per-channel E4M3, per-token activations), which
+    halves what each draft step reads; it changes which drafts are proposed, never the output."""
 
     def __init__(self, config, store, kinds: dict[str, str], dtype: torch.dtype = torch.bfloat16,
-                 kernels: Kernels | None = None):
+                 kernels: Kernels | None = None, fmt: str = "bf16"):
         super().__init__()
+        if fmt not in DRAFT_HEADS:
+            raise ValueError(f"drafter format must be one of {DRAFT_HEADS}, got {fmt!r}")
         tc = config.text_config
         eps = tc.rms_norm_eps
 
         def lin(name):
-            return read_linear(store, PREFIX + name, kinds.get(PREFIX + name), dtype, kernels)
+            key = PREFIX + name
+            if fmt == "fp8" and kinds.get(key) is None:
+                q, s = fp8.quantize_weight(store.require([key + ".weight"])[key + ".weight"].to(torch.bfloat16), key)
+                return QuantLinear("fp8", q, s, dtype=dtype, kernels=kernels)
+            return read_linear(store, key, kinds.get(key), dtype, kernels)
 
         def norm(name):
             return RMSNorm(store.require([PREFIX + name])[PREFIX + name].to(dtype), eps)

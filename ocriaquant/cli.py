@@ -35,6 +35,11 @@ Objective = Annotated[str, typer.Option(help="latency (the batch-1 decode step) 
                                              "--slo-p90).")]
 SloP90 = Annotated[Optional[float], typer.Option(help="With --objective throughput: the p90 page latency, in seconds, "
                                                       "the pages/s are measured within.")]
+Draft = Annotated[str, typer.Option(help="With --spec: the drafter's weights, bf16 or fp8 (the MTP layer's BF16 Linears "
+                                       "and the head drafts are scored with, quantized at load: cheaper drafts, never a "
+                                       "different output).")]
+DraftVocab = Annotated[int, typer.Option(help="With --spec: score drafts over the lowest N token ids only (0: all; the "
+                                         "output never changes, only how many drafts are accepted).", min=0)]
 Verbose = Annotated[bool, typer.Option(  # every verb takes it; @_verb reads it
     "--verbose", "-v", help=f"Show the libraries' own messages here (transformers, llmcompressor, their progress "
                             f"bars); without it they go to {LOG_NAME} beside the outputs.")]
@@ -394,6 +399,8 @@ def parse(
     spec: Annotated[int, typer.Option(help="Speculative decoding: tokens the checkpoint's MTP layer drafts per step "
                                       "(0: off). Output is identical to --spec 0 (greedy); summary.json gives the "
                                       "accepted length.", min=0, max=8)] = 0,
+    draft: Draft = "bf16",
+    draft_vocab: DraftVocab = 0,
     verbose: Verbose = False,
 ):
     """Parse pages to markdown with ocriaquant's own runtime.
@@ -412,13 +419,15 @@ def parse(
         ocriaquant parse ckpt/ ~/backlog --gpus all --backend triton --max-batch 32
         ocriaquant parse ckpt/ s3://bucket/backlog --ray auto --backend triton
         ocriaquant parse ckpt/ pages/ --spec 4      (drafts with the checkpoint's MTP layer)
+        ocriaquant parse ckpt/ pages/ --spec 3 --draft fp8 --draft-vocab 32768   (cheaper drafts)
     """
     from .data import BUNDLED_PAGES
     from .parse import ParseOptions, parse as run
 
     device = device or ("cuda" if gpus is not None or ray is not None else "cpu")
     opts = ParseOptions(device=device, backend=backend, max_new_tokens=max_new_tokens, max_batch=max_batch,
-                        redo=redo, tiles=tiles, read_workers=read_workers, gpus=gpus, ray=ray, spec=spec)
+                        redo=redo, tiles=tiles, read_workers=read_workers, gpus=gpus, ray=ray, spec=spec,
+                        draft=draft, draft_vocab=draft_vocab)
     s = run(checkpoint, pages or BUNDLED_PAGES, out, opts, err_console)
     console.print(f"parsed {s['parsed']} of {s['pages']} pages ({s['already_done']} already done) in "
                   f"{s['seconds']:.1f}s, {s['tokens']} tokens ({s['tokens_per_s']} tok/s) -> {out}")
@@ -487,11 +496,8 @@ def bench(
                                                        "(random weights accept nothing: each step's rows then accept "
                                                        "as drawn from it, the costs real). The report says it was "
                                                        "given, not measured.")] = None,
-    draft: Annotated[str, typer.Option(help="With --spec: the drafter's weights, bf16 or fp8 (the MTP layer's BF16 "
-                                       "Linears and the head drafts are scored with, quantized at load: cheaper "
-                                       "drafts, never a different output).")] = "bf16",
-    draft_vocab: Annotated[int, typer.Option(help="With --spec: score drafts over the lowest N token ids only (0: "
-                                             "all).", min=0)] = 0,
+    draft: Draft = "bf16",
+    draft_vocab: DraftVocab = 0,
     out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
     verbose: Verbose = False,
 ):

@@ -40,6 +40,8 @@ class ParseOptions:
     read_workers: int | None = None  # page reader processes per engine; None: 2 on a GPU, 0 (inline) on the CPU
     read_ahead: int = 4             # encoded pages waiting for the engine, at most, beyond one per reader
     spec: int = 0                   # speculative decoding: draft tokens per step from the checkpoint's MTP (#55)
+    draft: str = "bf16"             # with spec: the drafter's weights (RuntimeConfig.draft)
+    draft_vocab: int = 0            # with spec: drafts over the lowest N token ids (0: all)
     gpus: str | int | None = None   # None: one engine here; N or "all": one engine process per device
     ray: str | None = None          # a Ray address ("auto", "ray://head:10001") or "local": engines as Ray actors
 
@@ -64,7 +66,8 @@ def build_engine(model_dir: Path, device: str, o: ParseOptions):
     from .runtime.tiles import TileTable
 
     return Engine(model_dir, RuntimeConfig(backend=o.backend, device=device, max_slots=o.max_batch,
-                                           tiles=TileTable.load(o.tiles) if o.tiles else None, spec=o.spec))
+                                           tiles=TileTable.load(o.tiles) if o.tiles else None, spec=o.spec,
+                                           draft=o.draft, draft_vocab=o.draft_vocab))
 
 
 def parse_refs(engine, device: str, refs, job: _Job, emit: Callable[..., None]) -> None:

@@ -234,8 +234,8 @@ def test_spec_on_the_triton_backend_equals_its_greedy(spec_dir, requests):
 
 
 def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path):
-    """`ocriaquant parse --spec 2` on a held-out page, the bundled model with a (random) MTP layer:
-    the markdown of --spec 0, and summary.json reports the accepted length."""
+    """`ocriaquant parse --spec 2 --draft fp8` on a held-out page, the bundled model with a (random) MTP
+    layer: the markdown of --spec 0, and summary.json reports the accepted length."""
     from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
     from ocriaquant.model import DEFAULT_MODEL, load_config
     from ocriaquant.model.mtp import Qwen35MTP, save_mtp
@@ -251,7 +251,8 @@ def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path
     shutil.copy(held[0].source, pages)
     out = {}
     for spec in (0, 2):
-        s = parse(model, pages, tmp_path / f"out{spec}", ParseOptions(max_new_tokens=10, read_workers=0, spec=spec))
+        s = parse(model, pages, tmp_path / f"out{spec}", ParseOptions(max_new_tokens=10, read_workers=0, spec=spec,
+                                                                     draft="fp8" if spec else "bf16"))
         assert s["parsed"] == 1
         out[spec] = (tmp_path / f"out{spec}" / f"{held[0].source.stem}.md").read_text()
     assert out[2] == out[0] and out[0].strip()

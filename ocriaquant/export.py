@@ -22,6 +22,7 @@ So the checkpoint, reloaded, computes bit for bit what search simulated (quant/s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -207,7 +208,9 @@ def set_input_global_scales(model, plan: dict[str, str], groups: list[LayerGroup
 def carry_unloaded_tensors(src: Path, dst: Path, prefixes: tuple[str, ...] = ("mtp.",)) -> int:
     """Copy tensors transformers does not load (Qwen3.5's multi-token-prediction head `mtp.*`)
     from the source checkpoint into `dst` untouched, as their own shard listed in the index
-    (serving engines that speculate with MTP read them from there)."""
+    (serving engines that speculate with MTP read them from there). Those the save already
+    carried (llmcompressor copies `mtp.*` into model_mtp.safetensors) are checked, not written
+    twice. Returns how many `dst` holds."""
     from safetensors import safe_open
 
     carried: dict[str, torch.Tensor] = {}
@@ -219,7 +222,16 @@ def carry_unloaded_tensors(src: Path, dst: Path, prefixes: tuple[str, ...] = ("m
                     carried[k] = fh.get_tensor(k)
     if not carried:
         return 0
-    add_shard(dst, "model-extra-mtp.safetensors", carried, meta.get("format", "pt"))
+    index_path = dst / "model.safetensors.index.json"
+    indexed = json.loads(index_path.read_text())["weight_map"] if index_path.exists() else {}
+    missing = dict(carried)
+    for shard in {indexed[k] for k in carried if k in indexed and (dst / indexed[k]).is_file()}:
+        with safe_open(str(dst / shard), "pt") as fh:
+            for k in set(fh.keys()) & set(missing):
+                if indexed[k] == shard and torch.equal(fh.get_tensor(k), missing[k]):
+                    del missing[k]  # already there, byte for byte
+    if missing:
+        add_shard(dst, "model-extra-mtp.safetensors", missing, meta.get("format", "pt"))
     return len(carried)
 
 
@@ -266,7 +278,6 @@ def export(plan_path, out, model=None, pages=None, options: ExportOptions | None
     only replaced once the new checkpoint is complete). With `verify_pages` > 0 the checkpoint
     is reloaded with transformers and compared token for token with search's simulation on
     that many held-out pages; the agreement goes into ocriaquant.json."""
-    import json
     import shutil
     import time
 

@@ -177,6 +177,13 @@ def test_export_carries_mtp_and_reloads_token_identical_to_the_simulation(tiny_m
     for k, v in mtp.items():
         assert torch.equal(load_file(str(out / index[k]))[k], v)
     assert any(f != index["mtp.fc.weight"] for f in index.values())  # the model's own weights are indexed too
+    from safetensors import safe_open
+
+    holders = []
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            holders += [f.name] if any(k.startswith("mtp.") for k in fh.keys()) else []
+    assert holders == [index["mtp.fc.weight"]]  # one copy, the indexed one (llmcompressor's or ours)
     meta = json.loads((out / "ocriaquant.json").read_text())
     assert meta["carried_tensors"] == 2
     v = meta["verification"]
@@ -185,6 +192,33 @@ def test_export_carries_mtp_and_reloads_token_identical_to_the_simulation(tiny_m
     model, _ = load_model(out)
     scheme = model.get_submodule("model.language_model.layers.0.mlp.gate_proj").quantization_scheme
     assert scheme.weights.num_bits == 4 and scheme.input_activations is None  # h200: weight-only
+
+
+def test_mtp_carried_once_where_the_save_already_carried_it(tmp_path):
+    """llmcompressor's save copies `mtp.*` into model_mtp.safetensors and indexes it: export checks
+    those tensors and writes no second copy; where the save carried none, export adds its shard."""
+    from safetensors.torch import save_file
+
+    from ocriaquant.export import carry_unloaded_tensors
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    mtp = {"mtp.fc.weight": torch.randn(8, 16, dtype=torch.bfloat16), "mtp.norm.weight": torch.randn(8)}
+    save_file({"w": torch.zeros(2), **mtp}, str(src / "model.safetensors"))
+    save_file({"w": torch.zeros(2)}, str(dst / "model.safetensors"))
+    save_file(mtp, str(dst / "model_mtp.safetensors"))
+    index = {"metadata": {}, "weight_map": {"w": "model.safetensors", **{k: "model_mtp.safetensors" for k in mtp}}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert carry_unloaded_tensors(src, dst) == 2
+    assert sorted(f.name for f in dst.glob("*.safetensors")) == ["model.safetensors", "model_mtp.safetensors"]
+    (dst / "model_mtp.safetensors").unlink()  # a save that carried nothing
+    (dst / "model.safetensors.index.json").unlink()
+    assert carry_unloaded_tensors(src, dst) == 2
+    weight_map = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {weight_map[k] for k in mtp} == {"model-extra-mtp.safetensors"}
+    for k, v in mtp.items():
+        assert torch.equal(load_file(str(dst / "model-extra-mtp.safetensors"))[k], v)
 
 
 # The bundled model, its real trained weights, exported with a mixed plan: fused GDN / q,k,v / gate,up

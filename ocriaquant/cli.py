@@ -559,7 +559,7 @@ def eval_(
     """Greedy-decode pages and score them against their ground truth.
 
     Prints the mean normalized edit distance (NED) with a 95% bootstrap interval, CER, exact
-    match and the worst page. With no arguments: the bundled model on the bundled held-out pages.
+    match and the worst pages. With no arguments: the bundled model on the bundled held-out pages.
     """
     from .evaluate import EvalOptions, evaluate, write_report
 
@@ -570,7 +570,7 @@ def eval_(
     console.print(f"[bold]{rep.model}[/] on {s['pages']} pages ({split} split) of {rep.pages} ({dtype}):")
     console.print(f"  NED {s['ned']:.4f}  95% CI [{s['ned_ci'][0]:.4f}, {s['ned_ci'][1]:.4f}]")
     console.print(f"  CER {s['cer']:.4f}  exact match {s['exact_match']:.1%}")
-    console.print(f"  worst page {s['worst_page']}: NED {s['worst_ned']:.4f}")
+    console.print("  worst pages: " + ", ".join(f"{w['page']} {w['ned']:.4f}" for w in s["worst_pages"]))
     if out:
         write_report(rep, out)
         console.print(f"wrote {out}")

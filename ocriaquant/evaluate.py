@@ -27,6 +27,9 @@ class EvalOptions:
     skip_bad: bool = False         # skip unreadable pages instead of failing
 
 
+WORST_PAGES = 5  # the summary names the pages read worst, worst first
+
+
 @dataclass
 class PageResult:
     name: str
@@ -48,11 +51,12 @@ class EvalReport:
         neds = [r.ned for r in self.results]
         ci = bootstrap_mean(neds)
         cer_ci = bootstrap_mean([r.cer for r in self.results])
-        worst = max(self.results, key=lambda r: r.ned)
+        worst = sorted(self.results, key=lambda r: -r.ned)[:WORST_PAGES]
         return {"pages": len(self.results), "ned": ci.estimate, "ned_ci": [ci.low, ci.high],
                 "cer": cer_ci.estimate, "cer_ci": [cer_ci.low, cer_ci.high],
                 "exact_match": sum(r.exact for r in self.results) / len(self.results),
-                "worst_page": worst.name, "worst_ned": worst.ned}
+                "worst_page": worst[0].name, "worst_ned": worst[0].ned,
+                "worst_pages": [{"page": r.name, "ned": r.ned} for r in worst]}
 
 
 def evaluate(model: str | Path | None = None, pages: str | Path | None = None, options: EvalOptions | None = None,

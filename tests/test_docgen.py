@@ -269,4 +269,4 @@ def test_train_script_smoke_resume_and_eval(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ocriaquant", "eval", str(tmp_path / "model"), "--pages",
                           str(tmp_path / "pages"), "--split", "all", "--max-new-tokens", "8"], capture_output=True,
                          text=True, cwd=tmp_path)
-    assert res.returncode == 0 and "NED" in res.stdout
+    assert res.returncode == 0 and "NED" in res.stdout and "worst pages:" in res.stdout

@@ -46,3 +46,13 @@ def test_bootstrap_rejects_bad_input():
         bootstrap_mean([])
     with pytest.raises(ValueError, match="NaN"):
         bootstrap_mean([0.1, float("nan")])
+
+
+def test_eval_summary_names_the_worst_pages_worst_first():
+    from ocriaquant.evaluate import WORST_PAGES, EvalReport, PageResult
+
+    neds = [0.1, 0.7, 0.0, 0.3, 0.9, 0.2, 0.5]
+    rep = EvalReport("m", "p", "all", "bf16", [PageResult(f"p{i}", n, n, float(n == 0), "") for i, n in enumerate(neds)])
+    s = rep.summary()
+    assert [w["page"] for w in s["worst_pages"]] == ["p4", "p1", "p6", "p3", "p5"][:WORST_PAGES]
+    assert s["worst_page"] == "p4" and s["worst_ned"] == 0.9 and s["ned"] == pytest.approx(sum(neds) / len(neds))

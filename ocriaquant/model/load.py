@@ -27,7 +27,7 @@ class PagesNotModel(OcriaError):
 
 
 def _count_pages(folder: Path) -> int:
-    from ..data.load import IMAGE_EXTS, PDF_EXTS
+    from ..data.listing import IMAGE_EXTS, PDF_EXTS
 
     if (folder / "metadata.jsonl").is_file():  # a `datasets` imagefolder
         return sum(1 for line in (folder / "metadata.jsonl").open() if line.strip())

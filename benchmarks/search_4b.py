@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 
 from ocriaquant.calibrate import CalibrateOptions, calibrate
 from ocriaquant.data.split import is_heldout
@@ -139,7 +140,9 @@ def main():
                          eval_pages=args.eval_pages, candidates=args.candidates, device=args.device, dtype="bf16",
                          batch_size=64, max_new_tokens=args.max_new_tokens, peers=args.peers,
                          objective=args.objective, slo_p90=args.slo_p90, measure=True)
-    rep = run_search(args.work / "calib", pages_dir, args.work / "search", opts)
+    # progress drawn even into a log file: a failed run's log names the candidate it was decoding
+    rep = run_search(args.work / "calib", pages_dir, args.work / "search", opts,
+                     console=Console(stderr=True, force_terminal=True, width=150))
     if cuda:
         torch.cuda.synchronize()
     stages["search_s"], peaks["search_gb"] = round(time.time() - t, 1), peak_gb(cuda)

@@ -47,8 +47,8 @@ runtime reads it) gives the tile every "rule" figure runs at. On another GPU, sw
 The latency table (what `ocriaquant search --latency-table` reads) times, per shape, format and
 batch, what the runtime's QuantLinear launches (`--only table`, no tile sweep, about a minute):
 at batch 1 the GEMV kernels at the tile table's tiles, with PDL as the runtime launches them;
-above batch 1 gemv_fp8 at its tile for FP8 and cuBLAS on the BF16 (or dequantized NVFP4)
-weight. The sweep's best tiles (`--only gemv`) are what a tile table is tuned from, not what
+above batch 1 gemv_fp8 at its tile for FP8, gemv_nvfp4's tensor-core form where the table has
+an nvfp4 tile for that batch, and cuBLAS on the BF16 (or dequantized NVFP4) weight otherwise. The sweep's best tiles (`--only gemv`) are what a tile table is tuned from, not what
 runs.
 """
 

@@ -157,9 +157,11 @@ def runtime_table(shapes: dict, ms: list[int], log, tiles) -> list:
                        "nvfp4": lambda i: gemv_nvfp4(None, WP[i][0], WP[i][1], gs, out=outs[i], x_pairs=pairs,
                                                      m1=WP[i][2], **tiles.tile("nvfp4", n, k))}
             else:
+                dot = tiles.find("nvfp4", n, k, m)  # the runtime's tensor-core NVFP4 where its table has a tile
                 fns = {"bf16": lambda i: torch.mm(x, W[i].T, out=outs[i]),
                        "fp8": lambda i: gemv_fp8(x_q, x_s, *WQ[i], out=outs[i], **tiles.tile("fp8", n, k, m)),
-                       "nvfp4": lambda i: torch.mm(x, WN[i].T, out=outs[i])}
+                       "nvfp4": (lambda i: gemv_nvfp4(x, WP[i][0], WP[i][1], gs, out=outs[i], path="dot", **dot))
+                       if dot else (lambda i: torch.mm(x, WN[i].T, out=outs[i]))}
             refs = {"bf16": gemv_bf16_ref(x, w), "fp8": gemv_fp8_ref(x_q, x_s, w_q, w_s),
                     "nvfp4": gemv_nvfp4_ref(x, packed, scales, gs)}
             line = []

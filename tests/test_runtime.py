@@ -344,7 +344,7 @@ def test_tile_table_files_are_checked_entry_by_entry(tmp_path):
                          ({**good, "block_n": 48}, "block_n must be a power of two"),
                          ({**good, "block_k": 0}, "block_k must be a positive integer"),
                          ({**good, "maxnreg": 128}, "unknown field"),
-                         ({**good, "kind": "nvfp4", "m": [2, 4]}, "only fp8 has tiles above batch 1"),
+                         ({**good, "kind": "bf16", "m": [2, 4]}, "only fp8 and nvfp4 have tiles above batch 1"),
                          ({**good, "m": [8, 65]}, "batch range"),
                          ({**good, "kind": "nvfp4_silu", "split_k": 2}, "nvfp4_silu takes whole 32-row tiles"),
                          ({k: v for k, v in good.items() if k != "block_k"}, "block_k is missing")]:
@@ -399,6 +399,35 @@ def test_linears_launch_with_the_tiles_and_pdl_of_their_config(monkeypatch):
                                    rtol=2e-2)
     assert [(kw["block_n"], kw["block_k"], kw["pdl"]) for kw in seen] == [(32, 128, False), (64, 64, False)]
     assert seen[1]["split_k"] == 2 and seen[1]["num_stages"] == 2
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the GEMV kernels need a GPU or TRITON_INTERPRET=1")
+def test_nvfp4_above_batch_1_runs_the_tensor_core_gemv_where_the_table_has_a_tile(monkeypatch):
+    """An NVFP4 Linear above batch 1 reads its packed weight through gemv_nvfp4's tensor-core form
+    at the batches its table has a tile for, and runs cuBLAS on the dequantized weight at the others:
+    both within bf16 rounding of the float64 product of the checkpoint's values."""
+    import ocriaquant.runtime.kernels.gemv_nvfp4 as gemv_nvfp4_module
+    from ocriaquant.quant import nvfp4
+    from ocriaquant.runtime.config import Kernels
+    from ocriaquant.runtime.layers import QuantLinear
+    from ocriaquant.runtime.tiles import TileTable
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    table = TileTable([{"kind": "nvfp4", "n": 64, "k": 256, "m": [2, 8], "block_n": 32, "block_k": 128,
+                        "num_warps": 4, "num_stages": 2, "split_k": 2}])
+    seen = []
+    real = gemv_nvfp4_module.gemv_nvfp4
+    monkeypatch.setattr(gemv_nvfp4_module, "gemv_nvfp4", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    torch.manual_seed(0)
+    w = torch.randn(64, 256, dtype=torch.bfloat16) / 16
+    packed, scale, gs = nvfp4.quantize_weight(w)
+    lin = QuantLinear("nvfp4", packed, scale, gs, kernels=Kernels(pdl=False, tiles=table)).to(dev)
+    w64 = nvfp4.dequantize(packed, scale, gs, torch.float64).to(dev)
+    for m in (4, 9):
+        x = torch.randn(m, 256, dtype=torch.bfloat16, device=dev)
+        torch.testing.assert_close(lin(x).double(), x.double() @ w64.T, atol=2e-2, rtol=2e-2)
+    assert [(kw["path"], kw["block_n"], kw["split_k"]) for kw in seen] == [("dot", 32, 2)]  # m = 9: cuBLAS
 
 
 def test_torch_backend_runs_without_triton(tiny_model_dir):

@@ -5,8 +5,9 @@ file, swept with benchmarks/bench_kernels.py.
 
 Kinds: bf16, fp8, nvfp4 (a Linear's GEMV in its format), fp8_qx (the FP8 GEMV that quantizes
 its own input at batch 1: gemv_fp8_quantizing), nvfp4_silu (a fused NVFP4 gate_up with
-silu · mul in its epilogue: gemv_nvfp4_silu). Batch 1 everywhere; only fp8 has tiles above it
-(gemv_fp8's tensor-core path), each for a range of batches `"m": [lo, hi]`.
+silu · mul in its epilogue: gemv_nvfp4_silu). Batch 1 everywhere; above it fp8 (gemv_fp8's
+tensor-core path) and nvfp4 (gemv_nvfp4's, where it beats cuBLAS on the dequantized weight: a
+shape and batch with no nvfp4 tile runs cuBLAS), each entry for a range of batches `"m": [lo, hi]`.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def _parse(entry, error) -> tuple[tuple[str, int, int], int, int, dict]:
         m = [m, m]
     if not (isinstance(m, list) and len(m) == 2 and all(type(v) is int for v in m) and 1 <= m[0] <= m[1] <= MAX_BATCH):
         raise error(f"m must be a batch range [lo, hi] within 1-{MAX_BATCH}, got {entry.get('m')!r}")
-    if m[1] > 1 and kind != "fp8":
-        raise error(f"only fp8 has tiles above batch 1 (the others run cuBLAS there), got m {m}")
+    if m[1] > 1 and kind not in ("fp8", "nvfp4"):
+        raise error(f"only fp8 and nvfp4 have tiles above batch 1 (the others run cuBLAS there), got m {m}")
     if m[0] == 1 and m[1] > 1:
         raise error("batch 1 and the batches above it run different kernels: give them separate entries")
     return (kind, n, k), m[0], m[1], tile

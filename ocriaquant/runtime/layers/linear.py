@@ -112,7 +112,9 @@ class QuantLinear(nn.Module):
 
     def forward_kernels(self, x: torch.Tensor, x_q: tuple | None = None, partials: bool = False):
         """Decode rows: FP8 through gemv_fp8 at every M; BF16 and NVFP4 through their
-        weight-streaming GEMVs at M = 1, cuBLAS above. `x_q`, `partials`: see forward."""
+        weight-streaming GEMVs at M = 1; above, NVFP4 through gemv_nvfp4's tensor-core form where
+        the tile table has a tile for that batch (measured faster than cuBLAS there: a verify step's
+        k+1 rows read the packed weight), else cuBLAS. `x_q`, `partials`: see forward."""
         m, pdl = x.shape[0], self.kernels.pdl
         # x_q's first item tells its form: E4M3 codes for FP8, int32 words for NVFP4 pairs, fp32 for
         # x's absmax in parts (batch 1, FP8: quantized inside the GEMV)
@@ -129,8 +131,15 @@ class QuantLinear(nn.Module):
                             pdl=pdl, **self.tile(m))
         if self.kind == "nvfp4_w4a4":  # no W4A4 kernel on Hopper: emulate the activation rounding
             x = nvfp4.fake_quant_activation(x, self.input_global_scale)
-        if m > 1:  # BF16 and W4A16 above batch 1: cuBLAS on the dequantized weight was the faster there
-            return F.linear(x, self.weight)  # (BENCHMARKS.md), and computes the same values
+        if m > 1:
+            dot = self.tile_kind == "nvfp4" and self.kernels.tiles.find("nvfp4", self.out_features, self.in_features, m)
+            if dot:
+                from ..kernels.gemv_nvfp4 import gemv_nvfp4
+
+                return gemv_nvfp4(x.contiguous(), self.w_packed, self.w_scale, self.w_global_scale, path="dot",
+                                  pdl=pdl, **dot)
+            # BF16, and W4A16 where the table has no tile: cuBLAS on the dequantized weight, the same values
+            return F.linear(x, self.weight)
         if self.kind == "bf16":
             from ..kernels.gemv_bf16 import gemv_bf16
 

@@ -585,9 +585,12 @@ def table(report: dict):
                       f"{r['expected_speedup']}×" if "expected_speedup" in r else "—")
         tables.append(t)
         lengths = list(sp["steps"][0]["speedup_at"]) if sp["steps"] else []
+        measured = {c: a for c, a in (sp.get("measured_accepted_length") or {}).items() if a}
         t = Table(title="speed-up over plain decode by mean accepted length (tokens per verify step)"
                         + (f"; the acceptance given: {sp['expected_accepted_length']:.2f}"
-                           if sp.get("expected_accepted_length") else ""))
+                           if sp.get("expected_accepted_length") else "")
+                        + ("; measured on the pages: " + ", ".join(f"{a} at concurrency {c}" for c, a in measured.items())
+                           if measured else ""))
         for col in ["batch"] + lengths:
             t.add_column(col, justify="right")
         for r in sp["steps"]:

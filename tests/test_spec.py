@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -231,6 +232,38 @@ def test_spec_on_the_triton_backend_equals_its_greedy(spec_dir, requests):
                                                       stop_at_eos=False)} == tokens
     assert engine.runner.deferred and {1, 2, 3} <= {n for row in steps for n in row} and any(chained)
     assert any(j >= 0 for m in maps for j in m) and any(-1 in m for m in maps[1:])  # committed in a verify; fresh
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_a_plain_step_after_speculative_steps_commits_what_they_left_pending(spec_dir, requests):
+    """The triton backend defers a speculative step's GDN commit into the next verify; a plain decode
+    step on the same slot commits it first (flush): prefill, two speculative steps, then plain
+    steps give greedy decoding's tokens, and the steps with nothing pending leave nothing."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = RuntimeConfig(max_slots=2, max_len=32, backend="triton", device=dev, cuda_graphs=False)
+    req = requests[0]
+
+    def first(rt):
+        logits, delta = rt.prefill(req, slot=0)
+        return [int(logits.argmax())], req["input_ids"].shape[1], delta
+
+    plain = ModelRunner(spec_dir, cfg)
+    want, n, delta = first(plain)
+    for _ in range(8):
+        want += plain.greedy_step([want[-1]], [0], [n], [delta]).get()
+        n += 1
+    rt = ModelRunner(spec_dir, replace(cfg, spec=2))
+    got, n, delta = first(rt)
+    for _ in range(2):
+        toks = rt.spec_step([got[-1]], [0], [n], [delta]).get()[0]
+        got, n = got + toks, n + len(toks)
+    assert rt._pending is not None  # the last step's commit waits
+    while len(got) < len(want):
+        got += rt.greedy_step([got[-1]], [0], [n], [delta]).get()
+        n += 1
+        assert rt._pending is None
+    assert got[:len(want)] == want
 
 
 def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path):

@@ -232,7 +232,22 @@ def carry_unloaded_tensors(src: Path, dst: Path, prefixes: tuple[str, ...] = ("m
                     del missing[k]  # already there, byte for byte
     if missing:
         add_shard(dst, "model-extra-mtp.safetensors", missing, meta.get("format", "pt"))
+        _ignore_in_quantization(dst, [f"re:^{p.rstrip('.')}.*" for p in prefixes])  # as llmcompressor's own carry does
     return len(carried)
+
+
+def _ignore_in_quantization(model_dir: Path, patterns: list[str]) -> None:
+    """Add `patterns` to config.json's quantization_config.ignore: a serving engine must not look for
+    quantized weights in modules we carried over in BF16 (vLLM builds the MTP drafter with the
+    model's quantization config)."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    quant = config.get("quantization_config")
+    if quant is None:
+        return
+    ignore = quant.get("ignore") or []
+    quant["ignore"] = ignore + [p for p in patterns if p not in ignore]
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def verify(ckpt, model_dir, plan: dict[str, str], target: str, absmax: dict[str, torch.Tensor] | None, pages,

@@ -212,11 +212,17 @@ def test_mtp_carried_once_where_the_save_already_carried_it(tmp_path):
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     assert carry_unloaded_tensors(src, dst) == 2
     assert sorted(f.name for f in dst.glob("*.safetensors")) == ["model.safetensors", "model_mtp.safetensors"]
+    config = {"quantization_config": {"ignore": ["lm_head"]}}
+    (dst / "config.json").write_text(json.dumps(config))
+    assert carry_unloaded_tensors(src, dst) == 2
+    assert json.loads((dst / "config.json").read_text()) == config  # the save's own carry is left as it was
     (dst / "model_mtp.safetensors").unlink()  # a save that carried nothing
     (dst / "model.safetensors.index.json").unlink()
     assert carry_unloaded_tensors(src, dst) == 2
     weight_map = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
     assert {weight_map[k] for k in mtp} == {"model-extra-mtp.safetensors"}
+    # a serving engine must not expect quantized MTP weights
+    assert json.loads((dst / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head", "re:^mtp.*"]
     for k, v in mtp.items():
         assert torch.equal(load_file(str(dst / "model-extra-mtp.safetensors"))[k], v)
 

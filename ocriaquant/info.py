@@ -14,6 +14,7 @@ from .errors import OcriaError
 from .model import FORMATS, SHAPES, discover_groups, load_config, meta_model
 from .model.groups import LayerGroup, decode_bytes, decoder_linear_params, layer_types, unassigned_linears
 from .model.load import resolve_model_dir, weights_problem
+from .model.mtp import mtp_keys
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ModelInfo:
     groups: list[LayerGroup]
     unassigned: list[str]
     weights_problem: str | None = None  # a model directory whose weights are missing: what is wrong
+    mtp_tensors: int | None = None  # its multi-token-prediction layer's tensors (None: a shape, or no weights)
 
     @property
     def decoder_params(self) -> int:
@@ -35,6 +37,7 @@ class ModelInfo:
         return {
             "source": self.source,
             "weights_problem": self.weights_problem,
+            "mtp_tensors": self.mtp_tensors,
             "gdn_layers": self.layer_types.count("linear_attention"),
             "attention_layers": self.layer_types.count("full_attention"),
             "decoder_linear_params": self.decoder_params,
@@ -59,7 +62,8 @@ def model_info(model: str | Path | None = None, shape: str | None = None) -> Mod
         problem = weights_problem(resolve_model_dir(model, weights=False))
     net = meta_model(config)
     groups = discover_groups(net)
-    return ModelInfo(source, layer_types(net), groups, unassigned_linears(net, groups), problem)
+    mtp = None if shape is not None or problem else len(mtp_keys(resolve_model_dir(model)))
+    return ModelInfo(source, layer_types(net), groups, unassigned_linears(net, groups), problem, mtp)
 
 
 def _fmt_count(n: float) -> str:
@@ -107,6 +111,11 @@ def render_info(info: ModelInfo, console: Console, by_kind: bool = False) -> Non
                   "NVFP4 at 4.5 bits/weight; always-BF16 groups stay BF16):")
     for f in FORMATS:
         console.print(f"  all-{f.upper():<6} {_fmt_bytes(info.step_bytes(f))}")
+    if info.mtp_tensors:
+        console.print(f"multi-token-prediction layer: {info.mtp_tensors} tensors, the drafter of speculative "
+                      "decoding (`ocriaquant parse --spec 3`)")
+    elif info.mtp_tensors == 0:
+        console.print("no multi-token-prediction layer (mtp.*): `--spec` needs one")
     if info.unassigned:
         console.print(f"[yellow]Linear modules in no group: {', '.join(info.unassigned)}[/]")
 

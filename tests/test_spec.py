@@ -348,3 +348,21 @@ def test_spec_needs_an_mtp_layer(tiny_model_dir):
         ModelRunner(tiny_model_dir, RuntimeConfig(max_slots=1, spec=2))
     with pytest.raises(OcriaError, match="0 to 8 draft tokens"):
         RuntimeConfig(spec=9)
+
+
+def test_info_says_whether_a_checkpoint_can_draft(spec_dir, tiny_model_dir):
+    """`ocriaquant info` counts the checkpoint's mtp.* tensors (headers only) and says what --spec needs."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ocriaquant.info import model_info, render_info
+    from ocriaquant.model.mtp import mtp_keys
+
+    with_mtp, without = model_info(spec_dir), model_info(tiny_model_dir)
+    assert with_mtp.mtp_tensors == len(mtp_keys(spec_dir)) > 0 and without.mtp_tensors == 0
+    assert model_info(shape="qwen3.5-4b").mtp_tensors is None
+    for info, said in ((with_mtp, "the drafter of speculative decoding"), (without, "`--spec` needs one")):
+        out = StringIO()
+        render_info(info, Console(file=out, width=200))
+        assert said in out.getvalue()

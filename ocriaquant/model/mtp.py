@@ -85,6 +85,17 @@ def save_mtp(model_dir: Path, mtp: Qwen35MTP, dtype: torch.dtype = torch.bfloat1
     return len(tensors)
 
 
+def mtp_keys(model_dir: Path) -> list[str]:
+    """The mtp.* tensor names a model directory holds (safetensors headers only, nothing loaded)."""
+    from safetensors import safe_open
+
+    keys = set()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            keys.update(k for k in fh.keys() if k.startswith("mtp."))
+    return sorted(keys)
+
+
 def load_mtp(model_dir: Path, text_config, dtype: torch.dtype = torch.float32) -> Qwen35MTP | None:
     """The MTP layer of a model directory (None if it has no mtp.* tensors)."""
     from safetensors import safe_open

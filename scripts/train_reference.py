@@ -554,7 +554,10 @@ def main() -> None:
          "resumed": bool(prev)})
 
     gdn_name, gdn_report = ("torch", {}) if args.gdn == "torch" else (args.gdn, {})
-    if args.gdn == "auto":
+    log_device = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    if args.gdn == "auto" and prev and prev.get("gdn") and prev.get("device") == log_device:
+        gdn_name, gdn_report = prev["gdn"], {"reused": f"chosen by an earlier run on a {log_device}"}  # its checks ran
+    elif args.gdn == "auto":
         gdn_name, gdn_report = gdn_train.select(shape.gdn_v_heads, shape.gdn_head_dim, dev)
     gdn_train.install(gdn_name)
     log({"event": "gdn", "chosen": gdn_name, "report": gdn_report})

@@ -249,17 +249,36 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
                          # what the libraries print goes where logs.quiet sends it, not above the bar
                          redirect_stdout=False, redirect_stderr=False) as bar:
             task = bar.add_task("pages", total=len(chosen), completed=done)
-            for start in range(done, len(chosen), opts.batch_size):
+            bs = opts.batch_size
+            while done < len(chosen):
                 if stop_after_batches is not None and batches_run >= stop_after_batches:
                     return CalibResult(out, False, done, time.time() - t0)
-                chunk, tchunk = chosen[start: start + opts.batch_size], targets[start: start + opts.batch_size]
-                inputs, mask, tpos = teacher_forcing_batch(proc, chunk, tchunk, opts.device)
-                col.mask = mask
-                logits = target_logits(net, inputs, tpos)
-                loss = F.cross_entropy(logits.float(), inputs["input_ids"][tpos[:, 0], tpos[:, 1]], reduction="sum")
-                loss.backward()
-                acc["_target_tokens"] += float(tpos.shape[0])
-                done = start + len(chunk)
+                chunk, tchunk = chosen[done: done + bs], targets[done: done + bs]
+                kept = {k: v.clone() for k, v in acc.items()}  # what a pass that runs out of memory gives back
+                try:
+                    inputs, mask, tpos = teacher_forcing_batch(proc, chunk, tchunk, opts.device)
+                    col.mask = mask
+                    logits = target_logits(net, inputs, tpos)
+                    loss = F.cross_entropy(logits.float(), inputs["input_ids"][tpos[:, 0], tpos[:, 1]],
+                                           reduction="sum")
+                    loss.backward()
+                    tokens = float(tpos.shape[0])
+                except torch.OutOfMemoryError:
+                    tokens = None
+                inputs = mask = tpos = logits = loss = None
+                if tokens is None:  # fewer pages a pass, the statistics as they were before it
+                    acc.update(kept)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    if bs == 1:
+                        raise OcriaError(f"{chunk[0].name}: one page does not fit in the {opts.device} memory for "
+                                         f"calibration in {opts.dtype}; use smaller pages (the processor's "
+                                         "max_pixels) or a device with more memory") from None
+                    bs = max(1, bs // 2)
+                    console.print(f"[yellow]out of memory at {len(chunk)} pages a pass; {bs} from here on[/]")
+                    continue
+                acc["_target_tokens"] += tokens
+                done += len(chunk)
                 write_safetensors_atomic(partial / "state.safetensors", acc)
                 write_json_atomic(progress_path, {"fingerprint": fingerprint, "done_pages": done})
                 batches_run += 1

@@ -208,3 +208,28 @@ def test_library_output_inside_the_bar_goes_to_the_log(tiny_model_dir, synth_pag
     assert "tqdm-like" not in captured.out + captured.err
     log = (tmp_path / LOG_NAME).read_text()
     assert "tqdm-like bar on stdout" in log and "tqdm-like bar on stderr" in log
+
+
+def test_a_pass_out_of_memory_goes_on_with_fewer_pages_and_counts_nothing_twice(tiny_model_dir, synth_pages,
+                                                                                tmp_path, monkeypatch):
+    """A pass that runs out of memory after its forward hooks have counted gives its statistics back and
+    is run again with half the pages, down to one: the artifact is the one-page-a-pass run's, bit for
+    bit. Out of memory on one page is an error that names it."""
+    import ocriaquant.calibrate as cal
+
+    calibrate(tiny_model_dir, synth_pages, tmp_path / "one", EVERY_PAGE, batch_size=1)
+    real = cal.target_logits
+
+    def tight(net, inputs, tpos):
+        logits = real(net, inputs, tpos)  # the forward hooks have counted this pass
+        if inputs["input_ids"].shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return logits
+
+    monkeypatch.setattr(cal, "target_logits", tight)
+    calibrate(tiny_model_dir, synth_pages, tmp_path / "four", EVERY_PAGE, batch_size=4)
+    _same(tmp_path / "one", tmp_path / "four")
+
+    monkeypatch.setattr(cal, "target_logits", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("simulated")))
+    with pytest.raises(OcriaError, match="one page does not fit"):
+        calibrate(tiny_model_dir, synth_pages, tmp_path / "none", EVERY_PAGE, batch_size=2)

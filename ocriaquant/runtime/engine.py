@@ -21,6 +21,11 @@ from .scheduler import Scheduler, Sequence
 PREFILL_BUDGET = 4096  # prompt tokens a step prefills: about one 4.1 MP page (BENCHMARKS.md)
 
 
+def _inputs(run: list[Sequence]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A step's host inputs for its rows: each one's last token, slot, cached length and M-RoPE delta."""
+    return [s.tokens[-1] for s in run], [s.slot for s in run], [s.length for s in run], [s.delta for s in run]
+
+
 @dataclass
 class Result:
     rid: int
@@ -95,8 +100,7 @@ class Engine:
                 if not run:
                     yield from self._finished(sched)
                     continue
-                pending = (run, self.runner.greedy_step([s.tokens[-1] for s in run], [s.slot for s in run],
-                                                         [s.length for s in run], [s.delta for s in run]))
+                pending = (run, self.runner.greedy_step(*_inputs(run)))
             run, got = pending
             # The next step goes out before this one's tokens are read, fed them on the device, so the
             # host's bookkeeping hides behind the GPU. Rows that this step's tokens finish get one token
@@ -123,8 +127,7 @@ class Engine:
         tokens while the GPU prefills. A prompt whose last chunk ran gets its first token."""
         got = None
         if run:
-            got = self.runner.greedy_step([s.tokens[-1] for s in run], [s.slot for s in run],
-                                          [s.length for s in run], [s.delta for s in run])
+            got = self.runner.greedy_step(*_inputs(run))
         plan = sched.prefill_plan(self.prefill_budget)
         fresh = [seq for seq, _ in plan if seq.prompt is None]
         if fresh:  # the vision tower, once per page, ahead of its first text chunk
@@ -163,8 +166,7 @@ class Engine:
                 run = sched.decoding
                 got = None
                 if run:
-                    got = self.runner.spec_step([s.tokens[-1] for s in run], [s.slot for s in run],
-                                                [s.length for s in run], [s.delta for s in run])
+                    got = self.runner.spec_step(*_inputs(run))
                 prefilling = any(s.prefilling for s in sched.running)
                 if prefilling or got is None:  # a prefill pass behind the step; no chaining across it
                     if prefilling:
@@ -178,8 +180,7 @@ class Engine:
             ahead = None  # the next step, chained: only rows that are not done, none that could pass max_len
             if got.chainable and all(not s.done for s in run) and \
                     max(s.length for s in run) + 2 * k1 < self.runner.max_len:
-                ahead = (run, self.runner.spec_step(None, [s.slot for s in run], [s.length for s in run],
-                                                     [s.delta for s in run]))
+                ahead = (run, self.runner.spec_step(None, *_inputs(run)[1:]))
             self._take(run, got, stops, on_step)
             yield from self._finished(sched)
             pending = ahead

@@ -203,6 +203,19 @@ def _inputs_kernel(qkv_ptr, a_ptr, b_ptr, cs_ptr, cw_ptr, alog_ptr, dtb_ptr, slo
 
 
 @triton.jit
+def _replay(S, pk, pv, pg, n, k_ok, v_ok, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr):
+    """A state tile [BV, BK] after the first n delta-rule updates kept in a scratch (pk, pv, pg: this row's
+    and head's keys, values and (g, beta) at token 0): the one replay of commit and of a pending commit."""
+    for t in range(n):
+        k = tl.load(pk + t * H * K, mask=k_ok, other=0.0)
+        v = tl.load(pv + t * HV * V, mask=v_ok, other=0.0)
+        decay = tl.exp(tl.load(pg + t * HV * 2))
+        u = tl.load(pg + t * HV * 2 + 1) * (v - decay * tl.sum(S * k[None, :], 1))
+        S = S * decay + u[:, None] * k[None, :]
+    return S
+
+
+@triton.jit
 def _verify_kernel(z_ptr, nw_ptr, s_ptr, slot_ptr, out_ptr, ws_ptr, tick_ptr, q_ptr, k_ptr, v_ptr, gb_ptr, hs_ptr,
                    pk_ptr, pv_ptr, pgb_ptr, prow_ptr, pacc_ptr,
                    sz_b, sz_t, s_stride_slot, so_b, so_t, q_b, k_b, v_b, gb_b, hs_b, pk_b, pv_b, pgb_b, eps,
@@ -245,15 +258,8 @@ def _verify_kernel(z_ptr, nw_ptr, s_ptr, slot_ptr, out_ptr, ws_ptr, tick_ptr, q_
         if pr >= 0:  # commit the pending step: replay its accepted prefix, write the slot's state
             prs = pr.to(tl.int64)
             n_prev = tl.minimum(tl.maximum(tl.load(pacc_ptr + prs), 1), PT)
-            pk = pk_ptr + prs * pk_b + h * K + rk
-            pv = pv_ptr + prs * pv_b + hv * V + rv
-            pg = pgb_ptr + prs * pgb_b + hv * 2
-            for t in range(n_prev):
-                k = tl.load(pk + t * H * K, mask=k_ok, other=0.0)
-                v = tl.load(pv + t * HV * V, mask=v_ok, other=0.0)
-                decay = tl.exp(tl.load(pg + t * HV * 2))
-                u = tl.load(pg + t * HV * 2 + 1) * (v - decay * tl.sum(S * k[None, :], 1))
-                S = S * decay + u[:, None] * k[None, :]
+            S = _replay(S, pk_ptr + prs * pk_b + h * K + rk, pv_ptr + prs * pv_b + hv * V + rv,
+                        pgb_ptr + prs * pgb_b + hv * 2, n_prev, k_ok, v_ok, H, K, HV, V)
             tl.store(sp, S, mask=smask)
     qp = q_ptr + bi64 * q_b + h * K + rk
     kp = k_ptr + bi64 * k_b + h * K + rk
@@ -341,17 +347,10 @@ def _commit_kernel(s_ptr, cs_ptr, slot_ptr, acc_ptr, win_ptr, hs_ptr, kk_ptr, vv
     smask = v_ok[:, None] & k_ok[None, :]
     tile = hv * V * K + rv[:, None] * K + rk[None, :]
     sp = s_ptr + slot * s_stride_slot + tile
-    if REPLAY:  # the same operations as the verify's, so the same state
+    if REPLAY:  # _replay, as a pending commit inside the verify does: the same state
         S = tl.load(sp, mask=smask, other=0.0, eviction_policy="evict_first")
-        pk = kk_ptr + bi64 * kk_b + h * K + rk
-        pv = vv_ptr + bi64 * vv_b + hv * V + rv
-        pg = gb_ptr + bi64 * gb_b + hv * 2
-        for t in range(n):
-            k = tl.load(pk + t * H * K, mask=k_ok, other=0.0)
-            v = tl.load(pv + t * HV * V, mask=v_ok, other=0.0)
-            decay = tl.exp(tl.load(pg + t * HV * 2))
-            u = tl.load(pg + t * HV * 2 + 1) * (v - decay * tl.sum(S * k[None, :], 1))
-            S = S * decay + u[:, None] * k[None, :]
+        S = _replay(S, kk_ptr + bi64 * kk_b + h * K + rk, vv_ptr + bi64 * vv_b + hv * V + rv,
+                    gb_ptr + bi64 * gb_b + hv * 2, n, k_ok, v_ok, H, K, HV, V)
         tl.store(sp, S, mask=smask, cache_modifier=".cs")
     else:
         if n < T:  # n == T: verify left the state after token T in the slot already

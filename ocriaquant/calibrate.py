@@ -254,7 +254,6 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
                 if stop_after_batches is not None and batches_run >= stop_after_batches:
                     return CalibResult(out, False, done, time.time() - t0)
                 chunk, tchunk = chosen[done: done + bs], targets[done: done + bs]
-                kept = {k: v.clone() for k, v in acc.items()}  # what a pass that runs out of memory gives back
                 try:
                     inputs, mask, tpos = teacher_forcing_batch(proc, chunk, tchunk, opts.device)
                     col.mask = mask
@@ -266,8 +265,9 @@ def calibrate(model: str | Path | None = None, pages: str | Path | None = None, 
                 except torch.OutOfMemoryError:
                     tokens = None
                 inputs = mask = tpos = logits = loss = None
-                if tokens is None:  # fewer pages a pass, the statistics as they were before it
-                    acc.update(kept)
+                if tokens is None:  # fewer pages a pass, the statistics of the pages done: as last saved, or none
+                    acc.update(load_file(str(partial / "state.safetensors")) if done else
+                               {k: torch.zeros_like(v) for k, v in acc.items()})
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                     if bs == 1:

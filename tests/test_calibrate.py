@@ -230,6 +230,23 @@ def test_a_pass_out_of_memory_goes_on_with_fewer_pages_and_counts_nothing_twice(
     calibrate(tiny_model_dir, synth_pages, tmp_path / "four", EVERY_PAGE, batch_size=4)
     _same(tmp_path / "one", tmp_path / "four")
 
+    # after a pass has been saved: the statistics go back to the saved state (the pair of pages it holds
+    # batched in one pass: equal up to the model's fp32 rounding; counted twice they would not be)
+    calls = []
+
+    def late(net, inputs, tpos):
+        logits = real(net, inputs, tpos)
+        calls.append(inputs["input_ids"].shape[0])
+        if len(calls) == 2 and calls[-1] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return logits
+
+    monkeypatch.setattr(cal, "target_logits", late)
+    calibrate(tiny_model_dir, synth_pages, tmp_path / "late", EVERY_PAGE, batch_size=2)
+    assert calls == [2, 2, 1, 1, 1, 1]
+    sa, sb = load_file(str(tmp_path / "one" / "stats.safetensors")), load_file(str(tmp_path / "late" / "stats.safetensors"))
+    assert sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-9) for k in sa)
+
     monkeypatch.setattr(cal, "target_logits", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("simulated")))
     with pytest.raises(OcriaError, match="one page does not fit"):
         calibrate(tiny_model_dir, synth_pages, tmp_path / "none", EVERY_PAGE, batch_size=2)

@@ -18,6 +18,7 @@ import torch
 from .common import FP4_MAX, FP8_MAX, FP8_SCALE_EPS, NVFP4_GROUP, check_finite, round_to_fp8, zero_to_eps
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_SIGNED = torch.cat([E2M1_VALUES, -E2M1_VALUES])  # a nibble's value (bit 3: the sign)
 
 
 def global_scale_from_absmax(absmax: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,7 @@ def pack(values: torch.Tensor) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """uint8 [.., n/2] -> E2M1 values [.., n] in dtype."""
-    lut = torch.cat([E2M1_VALUES, -E2M1_VALUES]).to(packed.device, dtype)  # nibble -> value (bit 3: sign)
+    lut = E2M1_SIGNED.to(packed.device, dtype)
     out = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=dtype, device=packed.device)
     out[..., 0::2] = lut[(packed & 0x0F).int()]  # int32 indices: a 4B head's weight unpacks within ~2.5 GB
     out[..., 1::2] = lut[(packed >> 4).int()]

@@ -191,7 +191,7 @@ class ModelRunner:
             return []
         top = bucket_for(max_batch) or BUCKETS[-1]
         new = [b for b in BUCKETS if b <= top and (b not in self._graphs or self.spec and b <= self.spec_rows and
-                                                   any(k not in self._spec_graphs for k in self._spec_keys(b)))]
+                                                   (b, 1) not in self._spec_graphs)]
         for b in new:
             self._graph(b)
             if self.spec and b <= self.spec_rows:
@@ -394,7 +394,7 @@ class ModelRunner:
             self.flush()
         bucket = bucket_for(bsz)
         graphed = self.use_graphs and clock is None and T == self.spec + 1 and bucket is not None
-        if graphed and any(key not in self._spec_graphs for key in self._spec_keys(bucket)):
+        if graphed and (bucket, 1) not in self._spec_graphs:
             self.flush()  # a capture's warm-up writes the scratches and accepted lengths of both parities
             self._spec_graph(bucket)
         parity, before = self._pending_rows(slots)
@@ -440,9 +440,6 @@ class ModelRunner:
         if self.deferred:
             self._pending = (T, parity, list(slots))
         return out
-
-    def _spec_keys(self, bucket: int) -> list[tuple[int, int]]:
-        return [(bucket, parity) for parity in ((0, 1) if self.deferred else (0,))]
 
     def _spec_body(self, tok: torch.Tensor, sl: torch.Tensor, ln: torch.Tensor, dl: torch.Tensor, T: int,
                    spans: tuple[int, int], clock=None, parity: int = 0, before: torch.Tensor | None = None,
@@ -493,25 +490,19 @@ class ModelRunner:
 
     def _spec_graph(self, bucket: int) -> None:
         """Capture (once) the speculative step for `bucket` rows and k drafts, one graph per parity
-        when deferred, as _graph does the decode step: warm-up and capture with every row on the
-        sentinel slot and nothing pending; one memory pool with the decode graphs (no two replay at
-        once). Nothing may be pending (flush): the warm-up writes both parities' scratches."""
-        keys = self._spec_keys(bucket)
-        metas = {}
-        for _, parity in keys:  # a graph writes the next step's inputs into the other parity's (chaining)
-            meta = torch.zeros(5 if self.deferred else 4, bucket, dtype=torch.long, device=self.device)
-            meta[1] = self.sentinel
-            if self.deferred:
-                meta[4] = -1
-            metas[parity] = meta
-        for key in keys:
-            if key in self._spec_graphs:
-                continue
-            meta = metas[key[1]]
+        (graphs run the kernels, whose commits are deferred), as _graph does the decode step: warm-up
+        and capture with every row on the sentinel slot and nothing pending; one memory pool with the
+        decode graphs (no two replay at once). Nothing may be pending (flush): the warm-up writes both
+        parities' scratches."""
+        metas = []
+        for _ in range(2):  # a graph writes the next step's inputs into the other parity's (chaining)
+            meta = torch.zeros(5, bucket, dtype=torch.long, device=self.device)
+            meta[1], meta[4] = self.sentinel, -1
+            metas.append(meta)
+        for parity, meta in enumerate(metas):
 
-            def body(meta=meta, parity=key[1]):
-                return self._spec_body(*meta[:4], self.spec + 1, (0, 0), None, parity,
-                                       meta[4] if self.deferred else None, metas[1 - parity] if self.deferred else None)
+            def body(meta=meta, parity=parity):
+                return self._spec_body(*meta[:4], self.spec + 1, (0, 0), None, parity, meta[4], metas[1 - parity])
 
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -523,7 +514,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=self._pool):
                 target, n = body()
             self._pool = graph.pool()
-            self._spec_graphs[key] = (graph, meta, target, n)
+            self._spec_graphs[bucket, parity] = (graph, meta, target, n)
 
 
 class PendingSpec:

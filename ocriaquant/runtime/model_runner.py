@@ -205,21 +205,32 @@ class ModelRunner:
         if bucket not in self._graphs:
             meta = torch.zeros(4, bucket, dtype=torch.long, device=self.device)
             meta[1] = self.sentinel
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # compile the kernels and allocate their workspaces outside the graph
-                for _ in range(2):
-                    self.decode(*meta)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+
+            def body():
                 out = self.decode(*meta)
-                nxt = self._advance(meta, out)
-            self._pool = graph.pool()  # one memory pool for all buckets: they never replay at once
+                return out, self._advance(meta, out)
+
+            graph, (out, nxt) = self._capture(body)
             # two pinned buffers the tokens go back to the host through: at most two steps are in flight
             host = [torch.empty(bucket, dtype=torch.long).pin_memory() for _ in range(2)]
             self._graphs[bucket] = (graph, meta, out, nxt, host)
         return self._graphs[bucket]
+
+    def _capture(self, body):
+        """body() run twice on a side stream (its kernels compiled, their workspaces allocated outside
+        any graph), then captured into a graph of the runners' one memory pool (no two of its graphs
+        replay at once). Returns the graph and what the captured body returned."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = body()
+        self._pool = graph.pool()
+        return graph, out
 
     def _advance(self, meta: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of a step, also written into `meta` as the next step's input: each row's
@@ -400,17 +411,14 @@ class ModelRunner:
         parity, before = self._pending_rows(slots)
         chainable = T == self.spec + 1 and clock is None
         if graphed:
-            graph, meta, target, n = self._spec_graphs[bucket, parity]
-            self._write_meta(meta, bucket, tokens, slots, lengths, deltas, before)
-            graph.replay()
-            out = PendingSpec(target[:bsz].clone(), n[:bsz].clone(), True)  # the next replay overwrites the graph's
+            self._write_meta(self._spec_graphs[bucket, parity][1], bucket, tokens, slots, lengths, deltas, before)
+            out = self._replay_spec(bucket, parity, bsz)
             self._last_spec = (bsz, bucket, None)
         else:
             meta = torch.tensor([tokens, slots, lengths, deltas] + ([before] if self.deferred else []),
                                 dtype=torch.long).to(self.device)
-            spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
             nxt = torch.empty_like(meta) if chainable else None
-            out = PendingSpec(*self._spec_body(*meta[:4], T, spans, clock, parity,
+            out = PendingSpec(*self._spec_body(*meta[:4], T, self._spans(top, T), clock, parity,
                                                meta[4] if self.deferred else None, nxt), chainable)
             self._last_spec = (bsz, None, nxt) if chainable else None
         if self.deferred:
@@ -427,19 +435,25 @@ class ModelRunner:
         _, bucket, nxt = self._last_spec
         parity = 1 - self._pending[1] if self.deferred else 0
         if bucket is not None:  # the last graph wrote this graph's inputs
-            graph, _, target, n = self._spec_graphs[bucket, parity]
-            graph.replay()
-            out = PendingSpec(target[:bsz].clone(), n[:bsz].clone(), True)
+            out = self._replay_spec(bucket, parity, bsz)
         else:
-            top = max(lengths) + T  # at most: spans need only bound the rows' positions
-            spans = (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
-            after = torch.empty_like(nxt)
-            out = PendingSpec(*self._spec_body(*nxt[:4], T, spans, None, parity,
+            after = torch.empty_like(nxt)  # spans from max(lengths) + T: at most where the rows are now
+            out = PendingSpec(*self._spec_body(*nxt[:4], T, self._spans(max(lengths) + T, T), None, parity,
                                                nxt[4] if self.deferred else None, after), True)
             self._last_spec = (bsz, None, after)
         if self.deferred:
             self._pending = (T, parity, list(slots))
         return out
+
+    def _replay_spec(self, bucket: int, parity: int, bsz: int) -> "PendingSpec":
+        graph, _, target, n = self._spec_graphs[bucket, parity]
+        graph.replay()
+        return PendingSpec(target[:bsz].clone(), n[:bsz].clone(), True)  # the next replay overwrites the graph's
+
+    def _spans(self, top: int, T: int) -> tuple[int, int]:
+        """The torch path's attention spans for a verify of T positions from rows of at most `top` tokens
+        and for its drafting (0 with kernels, whose attention reads each row's own length)."""
+        return (0, 0) if self.kernels else (top + T, min(self.max_len, top + T + self.spec))
 
     def _spec_body(self, tok: torch.Tensor, sl: torch.Tensor, ln: torch.Tensor, dl: torch.Tensor, T: int,
                    spans: tuple[int, int], clock=None, parity: int = 0, before: torch.Tensor | None = None,
@@ -500,20 +514,8 @@ class ModelRunner:
             meta[1], meta[4] = self.sentinel, -1
             metas.append(meta)
         for parity, meta in enumerate(metas):
-
-            def body(meta=meta, parity=parity):
-                return self._spec_body(*meta[:4], self.spec + 1, (0, 0), None, parity, meta[4], metas[1 - parity])
-
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # compile the kernels and allocate their workspaces outside the graph
-                for _ in range(2):
-                    body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                target, n = body()
-            self._pool = graph.pool()
+            graph, (target, n) = self._capture(lambda meta=meta, parity=parity: self._spec_body(
+                *meta[:4], self.spec + 1, (0, 0), None, parity, meta[4], metas[1 - parity]))
             self._spec_graphs[bucket, parity] = (graph, meta, target, n)
 
 

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import OcriaError
+from .logs import LOG_NAME
 
 # before torch: calibrating a 4B model on 4.1 MP pages fragments the caching allocator (22 GB reserved, free
 # and unusable when the 80 GB card ran out); expandable segments keep it usable. A user's own setting stays.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-from .logs import LOG_NAME
 
 app = typer.Typer(
     name="ocriaquant",

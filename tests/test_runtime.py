@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
+from ocriaquant.model import load_config
 
 
 def test_prefill_then_decode_equals_longer_prefill(tiny_model_dir):
@@ -174,6 +175,43 @@ def test_runtime_errors_name_the_problem(tiny_model_dir, tmp_path):
     save_file(sd, str(f), metadata={"format": "pt"})
     with pytest.raises(OcriaError, match="missing tensors model.language_model.layers.0.mlp.down_proj.weight"):
         ModelRunner(broken)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_w4a4_candidate_decodes_through_cuda_graphs_as_the_torch_backend(tiny_model_dir):
+    """A b200 (W4A4) candidate as search builds it in memory: its activation rounding runs inside the
+    decode step, so it must capture into a CUDA graph (no host copy) and give the torch backend's
+    greedy tokens. On a GPU through the graphs; on the CPU the kernels under the interpreter."""
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.load import MemoryStore, TensorStore, quantize_in_memory
+    from ocriaquant.runtime.model_runner import ModelRunner
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    base = TensorStore(tiny_model_dir)
+    tensors = {k: base.get(k).to(dev) for k in base.where}
+    names = ["model.language_model.layers.0.mlp.gate_proj", "model.language_model.layers.0.mlp.up_proj",
+             "model.language_model.layers.2.mlp.down_proj"]
+    absmax = {n: torch.tensor(4.0) for n in names}
+    units = [(names[:2], "nvfp4_w4a4"), (names[2:], "nvfp4_w4a4")]
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 250, (1, n)) for n in (9, 6)]
+    got = {}
+    for backend in ("torch", "triton"):
+        qt, kinds = quantize_in_memory(tensors, units, absmax)
+        assert set(kinds.values()) == {"nvfp4_w4a4"}
+        rt = ModelRunner(None, RuntimeConfig(device=dev, max_slots=3, max_len=32, backend=backend),
+                         source=(load_config(tiny_model_dir), MemoryStore(qt, "w4a4 (in memory)"), kinds))
+        assert rt.capture_buckets(3) == ([1, 2, 4] if rt.use_graphs else [])
+        for s, p in zip((2, 0), prompts):
+            rt.prefill({"input_ids": p}, slot=s)
+        tokens, lengths, out = [int(p[0, -1]) for p in prompts], [9, 6], []
+        for _ in range(4):
+            tokens = rt.greedy_step(tokens, [2, 0], lengths, [0, 0]).get()
+            lengths = [n + 1 for n in lengths]
+            out.append(tokens)
+        got[backend] = out
+    assert got["triton"] == got["torch"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",

@@ -20,7 +20,8 @@ def check_finite(t: torch.Tensor, name: str) -> None:
 
 
 def zero_to_eps(scale: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.where(scale == 0, torch.tensor(eps, dtype=scale.dtype, device=scale.device), scale)
+    # torch.full, not torch.tensor (here, in fp8 and nvfp4): no host copy, which a CUDA graph cannot capture
+    return torch.where(scale == 0, torch.full((), eps, dtype=scale.dtype, device=scale.device), scale)
 
 
 def round_to_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from .common import FP8_DTYPE, FP8_MAX, check_finite, zero_to_eps
 
 
 def _absmax_scale(x: torch.Tensor, dim: int) -> torch.Tensor:
-    scale = x.abs().amax(dim=dim, keepdim=True) / torch.tensor(FP8_MAX, dtype=x.dtype, device=x.device)
+    scale = x.abs().amax(dim=dim, keepdim=True) / torch.full((), FP8_MAX, dtype=x.dtype, device=x.device)
     eps = torch.finfo(x.dtype).eps
     return zero_to_eps(scale, eps)
 

@@ -47,7 +47,7 @@ def _groups(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def block_scales(g: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
     """FP32 E4M3-valued scales [..., K/16] for grouped values g [..., K/16, 16]."""
-    local = g.abs().amax(-1) / torch.tensor(FP4_MAX, dtype=g.dtype, device=g.device)
+    local = g.abs().amax(-1) / torch.full((), FP4_MAX, dtype=g.dtype, device=g.device)
     s = round_to_fp8(gscale.to(g.device) * local)  # fp32 product
     return zero_to_eps(s, FP8_SCALE_EPS)
 

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -119,6 +120,10 @@ def test_export_writes_a_checkpoint_atomically_and_refuses_to_overwrite(tiny_mod
     assert {"config.json", "recipe.yaml", "ocriaquant.json", "tokenizer.json", "preprocessor_config.json"} <= names
     meta = json.loads((out / "ocriaquant.json").read_text())
     assert meta["retied_fused_units"] >= 1 and meta["versions"]["llmcompressor"]
+    # readable by a server running as another user: the mode open() gives, not safetensors' owner-only 0o600
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o666 & ~mask}
     with pytest.raises(OcriaError, match="already exists.*--force"):
         ex.export(plan, out, pages=synth_pages, max_pages=2)
 

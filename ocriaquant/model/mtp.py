@@ -119,8 +119,11 @@ def add_shard(model_dir: Path, shard: str, tensors: dict[str, torch.Tensor], fmt
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from ..files import plain_mode
+
     model_dir = Path(model_dir)
     save_file(tensors, str(model_dir / shard), metadata={"format": fmt})
+    plain_mode(model_dir / shard)
     index_path = model_dir / "model.safetensors.index.json"
     if index_path.exists():
         index = json.loads(index_path.read_text())

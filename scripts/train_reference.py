@@ -184,21 +184,7 @@ def held_out_pages(n: int, style: DocStyle, executor) -> list[Page]:
 # The forward
 
 
-class ReaderForward(PageBatchForward):
-    """PageBatchForward that also returns the merged input embeddings (the MTP layer reads them)."""
-
-    def embeds_hidden(self, images: torch.Tensor, text_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = images.shape[0]
-        img = self.vision(self.pixels(images))
-        lm = self.model.model.language_model
-        ids = torch.cat([self.prefix_ids.expand(b, -1), text_ids], dim=1)
-        emb = lm.embed_tokens(ids)
-        emb = torch.cat([emb[:, : self.img_start], img.to(emb.dtype), emb[:, self.img_end:]], dim=1)
-        out = lm(inputs_embeds=emb, position_ids=self.position_ids.expand(-1, b, -1), use_cache=False)
-        return emb, out.last_hidden_state
-
-
-def step_loss(fwd: ReaderForward, model, mtp, images, ids, mask, mtp_weight: float):
+def step_loss(fwd: PageBatchForward, model, mtp, images, ids, mask, mtp_weight: float):
     """(total loss, [next-token CE, MTP CE, MTP top-1 accuracy]) for one batch."""
     emb, hid = fwd.embeds_hidden(images, ids)
     p = fwd.prefix_len
@@ -563,7 +549,7 @@ def main() -> None:
     log({"event": "gdn", "chosen": gdn_name, "report": gdn_report})
 
     model.train()
-    fwds = [ReaderForward(model, proc, (h, w), t, DEFAULT_PROMPT).to(dev) for (w, h), t in zip(sizes, text_len)]
+    fwds = [PageBatchForward(model, proc, (h, w), t, DEFAULT_PROMPT).to(dev) for (w, h), t in zip(sizes, text_len)]
     s_imgs = [torch.zeros(b, 3, h, w, dtype=torch.uint8, device=dev) for b, (w, h) in zip(batches, sizes)]
     s_ids = [torch.zeros(b, t, dtype=torch.long, device=dev) for b, t in zip(batches, text_len)]
     s_mask = [torch.zeros(b, t, dtype=torch.bool, device=dev) for b, t in zip(batches, text_len)]

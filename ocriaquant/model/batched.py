@@ -112,8 +112,9 @@ class PageBatchForward(nn.Module):
             x = x + blk.mlp(blk.norm2(x))
         return v.merger(x.reshape(b * n, -1)).view(b, n // self.merge**2, -1)
 
-    def hidden(self, images: torch.Tensor, text_ids: torch.Tensor) -> torch.Tensor:
-        """images [B, 3, H, W] (0..255), text_ids [B, text_len] -> last hidden [B, L, D]."""
+    def embeds_hidden(self, images: torch.Tensor, text_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """images [B, 3, H, W] (0..255), text_ids [B, text_len] -> (input embeddings with the image
+        features in place, last hidden) [B, L, D] each: what the MTP layer reads."""
         b = images.shape[0]
         img = self.vision(self.pixels(images))
         embed = self.model.model.language_model.embed_tokens
@@ -122,7 +123,11 @@ class PageBatchForward(nn.Module):
         emb = torch.cat([emb[:, : self.img_start], img.to(emb.dtype), emb[:, self.img_end:]], dim=1)
         out = self.model.model.language_model(inputs_embeds=emb, position_ids=self.position_ids.expand(-1, b, -1),
                                               use_cache=False)
-        return out.last_hidden_state
+        return emb, out.last_hidden_state
+
+    def hidden(self, images: torch.Tensor, text_ids: torch.Tensor) -> torch.Tensor:
+        """images [B, 3, H, W] (0..255), text_ids [B, text_len] -> last hidden [B, L, D]."""
+        return self.embeds_hidden(images, text_ids)[1]
 
     def forward(self, images: torch.Tensor, text_ids: torch.Tensor) -> torch.Tensor:
         """Logits predicting each text token: [B, text_len, vocab] (position i predicts text_ids[:, i])."""

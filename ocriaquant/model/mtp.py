@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MTP_SHARD = "model-mtp.safetensors"
@@ -66,6 +67,47 @@ class Qwen35MTP(nn.Module):
         for layer in self.layers:
             x = layer(x, position_embeddings=position_embeddings, attention_mask=None, position_ids=None)
         return self.norm(x)
+
+    def chain(self, next_embeds: torch.Tensor, hidden: torch.Tensor,
+              position_embeddings: tuple[torch.Tensor, torch.Tensor], steps: int) -> list[torch.Tensor]:
+        """`steps` chained draft steps at every position at once (training the drafter for k > 1), each
+        exactly as speculative decoding runs it: step j at position s reads, instead of the model's
+        hidden state, step j-1's output at s-1, and attends to step 1's keys up to s-j+1, then to
+        step m's key at s-j+m for m = 2..j (the cache a draft chain sees: verified positions, then
+        its own). next_embeds / hidden / position_embeddings as forward's; returns each step's
+        output [B, L, H] (step 1 is forward's; step j at position s predicts token s+2, given
+        tokens up to s+1 whose last j-1 were drafted)."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        if len(self.layers) != 1:
+            raise ValueError("chain: one MTP decoder layer")
+        layer = self.layers[0]
+        attn = layer.self_attn
+        cos, sin = position_embeddings
+        b, n, _ = next_embeds.shape
+        e = self.pre_fc_norm_embedding(next_embeds)
+        s = torch.arange(n, device=next_embeds.device)[:, None]
+        keys, values, outs, h = [], [], [], hidden
+        for j in range(1, steps + 1):
+            if j > 1:  # position s reads the previous step's output at s-1 (position 0 has none: zeros)
+                h = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
+            x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(h)], dim=-1))
+            y = layer.input_layernorm(x)
+            q, gate = torch.chunk(attn.q_proj(y).view(b, n, -1, attn.head_dim * 2), 2, dim=-1)
+            q = attn.q_norm(q).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(y).view(b, n, -1, attn.head_dim)).transpose(1, 2)
+            v = attn.v_proj(y).view(b, n, -1, attn.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            i = torch.arange(n, device=s.device)[None, :]
+            mask = torch.cat([i <= s - j + 1] + [i == s - j + m for m in range(2, j + 1)], dim=1)  # [L, j·L]
+            o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                               scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1) * torch.sigmoid(gate.reshape(b, n, -1)))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            outs.append(self.norm(x))
+        return outs
 
     def checkpoint_tensors(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         return {f"mtp.{k}": v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}

@@ -151,7 +151,6 @@ def test_runtime_mtp_is_model_mtp(spec_dir):
 
     rt = ModelRunner(spec_dir, RuntimeConfig(max_slots=1, max_len=32, spec=1))
     ref = load_mtp(spec_dir, load_config(spec_dir).text_config, torch.bfloat16)
-    ref.layers[0].self_attn.config._attn_implementation = "sdpa"  # causal without a mask, as model/mtp.py says
     g = torch.Generator().manual_seed(2)
     dim = rt.hf_config.text_config.hidden_size
     e, h = (torch.randn(10, dim, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -177,7 +176,6 @@ def test_mtp_chain_trains_what_the_runtime_drafts(spec_dir):
 
     rt = ModelRunner(spec_dir, RuntimeConfig(max_slots=1, max_len=32, spec=1))
     ref = load_mtp(spec_dir, load_config(spec_dir).text_config, torch.bfloat16)
-    ref.layers[0].self_attn.config._attn_implementation = "sdpa"  # forward's causal path, for step 1
     g = torch.Generator().manual_seed(3)
     dim, n, L = rt.hf_config.text_config.hidden_size, 12, 8  # positions 0..L-1 verified, L.. drafted
     e, h = (torch.randn(n, dim, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -311,8 +309,8 @@ def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path
     shutil.copy(held[0].source, pages)
     out = {}
     for spec in (0, 2):
-        s = parse(DEFAULT_MODEL, pages, tmp_path / f"out{spec}", ParseOptions(max_new_tokens=40, read_workers=0,
-                                                                             spec=spec, draft="fp8" if spec else "bf16"))
+        opts = ParseOptions(max_new_tokens=40, read_workers=0, spec=spec, draft="fp8" if spec else "bf16")
+        s = parse(DEFAULT_MODEL, pages, tmp_path / f"out{spec}", opts)
         assert s["parsed"] == 1
         out[spec] = (tmp_path / f"out{spec}" / f"{held[0].source.stem}.md").read_text()
     assert out[2] == out[0] and out[0].strip()

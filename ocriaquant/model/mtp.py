@@ -35,6 +35,7 @@ def mtp_text_config(text_config):
     cfg = copy.deepcopy(text_config)
     cfg.num_hidden_layers = 1
     cfg.layer_types = ["full_attention"]
+    cfg._attn_implementation = "sdpa"  # forward passes no mask: causal on this path only, however the config was loaded
     return cfg
 
 
@@ -62,7 +63,8 @@ class Qwen35MTP(nn.Module):
         """next_embeds [B, L, H]: embeddings of tokens 1..L (input position t holds token t+1);
         hidden [B, L, H]: the model's final hidden states at 0..L-1; position_embeddings: the
         model's rotary (cos, sin) for positions 0..L-1. Returns [B, L, H], position t predicting token t+2.
-        Causal over the sequence (no mask: transformers' SDPA path is causal without one)."""
+        Causal over the sequence (no mask: transformers' SDPA path, which mtp_text_config sets, is causal
+        without one)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         for layer in self.layers:
             x = layer(x, position_embeddings=position_embeddings, attention_mask=None, position_ids=None)

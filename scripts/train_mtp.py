@@ -102,7 +102,7 @@ def runs(right: list[torch.Tensor]) -> torch.Tensor:
     draft sits at t+m-1: a chain's drafts are consecutive tokens); [steps]."""
     ok, out = right[0], [right[0].sum()]
     for m, r in enumerate(right[1:], start=1):
-        ok = ok[:, :-1] & r[:, m:] if ok.shape[1] > 1 else ok[:, :0]
+        ok = ok[:, :-1] & r[:, m:]  # both empty once the chains outrun the text
         out.append(ok.sum())
     return torch.stack(out)
 

@@ -88,7 +88,8 @@ class Qwen35MTP(nn.Module):
         cos, sin = position_embeddings
         b, n, _ = next_embeds.shape
         e = self.pre_fc_norm_embedding(next_embeds)
-        s = torch.arange(n, device=next_embeds.device)[:, None]
+        s = torch.arange(n, device=next_embeds.device)[:, None]  # query positions; keys i, by step
+        i = s.T
         keys, values, outs, h = [], [], [], hidden
         for j in range(1, steps + 1):
             if j > 1:  # position s reads the previous step's output at s-1 (position 0 has none: zeros)
@@ -102,7 +103,6 @@ class Qwen35MTP(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             keys.append(k)
             values.append(v)
-            i = torch.arange(n, device=s.device)[None, :]
             mask = torch.cat([i <= s - j + 1] + [i == s - j + m for m in range(2, j + 1)], dim=1)  # [L, j·L]
             o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
                                                scale=attn.scaling, enable_gqa=True)

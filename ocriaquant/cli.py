@@ -497,7 +497,9 @@ def bench(
                                       "checkpoint's MTP layer; a --shape gets a random one).", min=0, max=8)] = 0,
     acceptance: Annotated[Optional[Path], typer.Option(help="With --spec: JSON acceptance to expect, "
                                                        "{\"accepted_length_probs\": [P(1 token), P(2), ...]} or "
-                                                       "{\"position_acceptance\": [a1, a2, ...]}; needed with --shape "
+                                                       "{\"position_acceptance\": [a1, a2, ...]}, or the summary.json "
+                                                       "of `ocriaquant parse --spec K` (measured on your pages); "
+                                                       "needed with --shape "
                                                        "(random weights accept nothing: each step's rows then accept "
                                                        "as drawn from it, the costs real). The report says it was "
                                                        "given, not measured.")] = None,

@@ -96,7 +96,7 @@ def parse_refs(engine, device: str, refs, job: _Job, emit: Callable[..., None]) 
         ref = admitted.pop(res.rid)
         write_text_atomic(job.out / markdown_name(ref.name), res.text + "\n")
         emit("done", key=ref.name, tokens=len(res.tokens), seconds=round(res.seconds, 3),
-             verifies=res.verifies, verified=res.verified)  # speculative decoding's tally (0 without)
+             gave=res.gave)  # speculative decoding's tally: verify steps by tokens given (empty without)
 
 
 def _engine_worker(device: str, feed, emit, job: _Job) -> None:
@@ -113,6 +113,7 @@ def parse(checkpoint, pages, out, options: ParseOptions = ParseOptions(), consol
 
     from .data.listing import list_pages
     from .model.load import resolve_model_dir
+    from .runtime.measure import acceptance_summary, merge_gave
 
     o = replace(options, **fields)
     if o.gpus is not None and o.ray is None and o.device.split(":")[0] == "cuda" and o.device != "cuda":
@@ -128,7 +129,7 @@ def parse(checkpoint, pages, out, options: ParseOptions = ParseOptions(), consol
     out.mkdir(parents=True, exist_ok=True)
     todo = [r for r in listing.refs if o.redo or not (out / markdown_name(r.name)).exists()]
     job = _Job(model_dir, out, o)
-    tally = {"tokens": 0, "failed": [], "parsed": 0, "by_worker": {}, "verifies": 0, "verified": 0}
+    tally = {"tokens": 0, "failed": [], "parsed": 0, "by_worker": {}, "gave": []}
     t0 = time.time()
     with Progress(TextColumn("parsing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, redirect_stdout=False, redirect_stderr=False) as bar:
@@ -137,8 +138,7 @@ def parse(checkpoint, pages, out, options: ParseOptions = ParseOptions(), consol
         def on_event(worker, kind, key, data) -> None:
             if kind == "done":
                 tally["tokens"] += data["tokens"]
-                tally["verifies"] += data.get("verifies", 0)  # speculative decoding (#55)
-                tally["verified"] += data.get("verified", 0)
+                tally["gave"] = merge_gave([tally["gave"], data.get("gave", [])])  # speculative decoding (#55)
                 tally["parsed"] += 1
                 tally["by_worker"][worker] = tally["by_worker"].get(worker, 0) + 1
             elif kind == "failed":
@@ -167,9 +167,8 @@ def parse(checkpoint, pages, out, options: ParseOptions = ParseOptions(), consol
                "tokens": tally["tokens"], "seconds": round(secs, 2),
                "tokens_per_s": round(tally["tokens"] / secs, 1) if secs > 0 else None,
                "device": o.device, "backend": o.backend, **extra}
-    if o.spec:  # speculative decoding (#55): tokens per verify step per page, 1 to spec+1
-        summary.update(spec=o.spec, verify_steps=tally["verifies"], accepted_length=round(
-            tally["verified"] / tally["verifies"], 3) if tally["verifies"] else None)
+    if o.spec:  # speculative decoding (#55): tokens per verify step, 1 to spec+1; the distribution is what
+        summary.update(spec=o.spec, **acceptance_summary(tally["gave"]))  # bench --acceptance reads
     write_json_atomic(out / "summary.json", summary)
     return summary
 

@@ -8,6 +8,7 @@ none — with rows of different accepted lengths in one batch."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import replace
@@ -298,7 +299,8 @@ def test_a_plain_step_after_speculative_steps_commits_what_they_left_pending(spe
 
 def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path):
     """`ocriaquant parse --spec 2 --draft fp8` on a held-out page with the bundled model's trained MTP layer:
-    the markdown of --spec 0, and summary.json reports an accepted length a random drafter (~1.0) never reaches."""
+    the markdown of --spec 0, and summary.json reports an accepted length a random drafter (~1.0) never reaches,
+    with its distribution, which `bench --acceptance` reads as it is."""
     from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
     from ocriaquant.model import DEFAULT_MODEL
     from ocriaquant.parse import ParseOptions, parse
@@ -315,13 +317,18 @@ def test_parse_spec_gives_the_markdown_of_parse_and_its_accepted_length(tmp_path
         out[spec] = (tmp_path / f"out{spec}" / f"{held[0].source.stem}.md").read_text()
     assert out[2] == out[0] and out[0].strip()
     assert s["spec"] == 2 and 1.5 <= s["accepted_length"] <= 3 and s["verify_steps"] > 0
+    probs = s["accepted_length_probs"]
+    assert len(probs) <= 3 and abs(sum(probs) - 1) < 1e-4 and probs[-1] > 0
+    assert abs(sum((j + 1) * p for j, p in enumerate(probs)) - s["accepted_length"]) < 2e-3
+    from ocriaquant.runtime.measure import accepted_lengths
+
+    summary = json.loads((tmp_path / "out2" / "summary.json").read_text())
+    assert accepted_lengths(summary, 2) == pytest.approx(probs + [0.0] * (3 - len(probs)))
 
 
 def test_bench_spec_times_the_step_and_expects_the_given_acceptance(spec_dir, tmp_path):
     """`bench --spec 2 --acceptance FILE`: the step's phases timed, the expected tokens per step from
     the file (said to be given, not measured); a named shape without --acceptance is refused."""
-    import json
-
     from ocriaquant import bench
     from ocriaquant.runtime.measure import accepted_lengths
 
@@ -329,6 +336,10 @@ def test_bench_spec_times_the_step_and_expects_the_given_acceptance(spec_dir, tm
     assert accepted_lengths([0.25, 0.25, 0.25, 0.25], 2) == [0.25, 0.25, 0.5]
     with pytest.raises(ValueError, match="sum to 1"):
         accepted_lengths([0.5, 0.2], 2)
+    with pytest.raises(ValueError, match="parse --spec"):  # neither key, or both
+        accepted_lengths({"accepted_length": 2.5}, 2)
+    with pytest.raises(ValueError, match="parse --spec"):
+        accepted_lengths({"accepted_length_probs": [1.0], "position_acceptance": [0.5]}, 2)
     acc = tmp_path / "acceptance.json"
     acc.write_text(json.dumps({"position_acceptance": [0.8, 0.5]}))
     rep = bench.run(spec_dir, bench.BenchOptions(device="cpu", backend="torch", batches=(2,), context=8, steps=1,

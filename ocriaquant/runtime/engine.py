@@ -8,7 +8,7 @@ a decode step is the runner's spec_step: up to k+1 tokens a row, cut where greed
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
 from ..data.page import Page
@@ -33,8 +33,17 @@ class Result:
     tokens: list[int]
     seconds: float = 0.0  # admission to last token
     first_token_s: float = 0.0  # admission to first token
-    verifies: int = 0  # speculative decoding: verify steps this request took part in
-    verified: int = 0  # tokens those steps gave it (accepted drafts + the target's own), before an EOS cut
+    # speculative decoding: the verify steps this request took part in, by the tokens each gave it
+    # (accepted drafts + the target's own, before an EOS cut): gave[j] steps gave j + 1
+    gave: list[int] = field(default_factory=list)
+
+    @property
+    def verifies(self) -> int:
+        return sum(self.gave)
+
+    @property
+    def verified(self) -> int:
+        return sum((j + 1) * n for j, n in enumerate(self.gave))
 
     @property
     def accepted_length(self) -> float | None:
@@ -191,8 +200,8 @@ class Engine:
             if seq.done:  # finished by the step before (chained): its tokens here are past its end
                 continue
             seq.length += len(toks)
-            seq.verifies += 1
-            seq.verified += len(toks)
+            seq.gave += [0] * (len(toks) - len(seq.gave))
+            seq.gave[len(toks) - 1] += 1
             for t in toks:
                 self._append(seq, t, stops)
                 if seq.done:
@@ -204,7 +213,7 @@ class Engine:
         tok = self.processor.tokenizer
         for seq in sched.retire():
             yield Result(seq.rid, tok.decode(seq.tokens, skip_special_tokens=True).strip(), seq.tokens,
-                         time.perf_counter() - seq.t_admit, seq.t_first - seq.t_admit, seq.verifies, seq.verified)
+                         time.perf_counter() - seq.t_admit, seq.t_first - seq.t_admit, seq.gave)
 
     @staticmethod
     def _append(seq: Sequence, token: int, stops: set[int]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from itertools import zip_longest
 from typing import Callable
 
 import torch
@@ -59,8 +60,8 @@ def page_speed(engine, encs: list[dict], concurrency: int, out_tokens: int) -> d
     wall = time.perf_counter() - t
     return {"concurrency": concurrency, **page_stats([r.seconds for r in res], sum(len(r.tokens) for r in res), wall),
             "first_token_p50_s": round(statistics.median(r.first_token_s for r in res), 2),
-            **({"accepted_length": round(sum(r.verified for r in res) / sum(r.verifies for r in res), 3)}
-               if any(r.verifies for r in res) else {})}  # speculative decoding: tokens per verify step
+            **({"accepted_length": acceptance_summary(merge_gave(r.gave for r in res))["accepted_length"]}
+               if any(r.gave for r in res) else {})}  # speculative decoding: tokens per verify step
 
 
 def page_stats(latencies: list[float], tokens: int, wall: float) -> dict:
@@ -184,19 +185,40 @@ def spec_step_speed(rt, batch: int, context: int, steps: int, vocab: int) -> dic
     return {**{f"{k}_s": statistics.median(v) for k, v in phases.items()}, "step_s": step_s}
 
 
+def merge_gave(gaves) -> list[int]:
+    """Verify steps by tokens given (Result.gave: n[j] steps gave j + 1), summed over requests."""
+    total: list[int] = []
+    for gave in gaves:
+        total = [a + b for a, b in zip_longest(total, gave, fillvalue=0)]
+    return total
+
+
+def acceptance_summary(gave: list[int]) -> dict:
+    """Verify steps, mean tokens per step and P(a step gives 1, 2, … tokens) from steps counted by
+    tokens given: what `parse --spec` writes in summary.json, which `bench --acceptance` reads."""
+    steps = sum(gave)
+    if not steps:
+        return {"verify_steps": 0, "accepted_length": None, "accepted_length_probs": None}
+    return {"verify_steps": steps, "accepted_length": round(sum((j + 1) * n for j, n in enumerate(gave)) / steps, 3),
+            "accepted_length_probs": [round(n / steps, 6) for n in gave]}
+
+
 def accepted_lengths(acceptance, k: int) -> list[float]:
     """P(a verify step gives 1, 2, … k+1 tokens) from an acceptance description (bench's
     --acceptance FILE): {"accepted_length_probs": [p1, p2, …]} (the probability of each number of
     tokens a step gives, from 1: mass past k+1 counts as k+1), {"position_acceptance": [a1, a2, …]}
     (the chance that draft j is accepted when the drafts before it were: missing positions 0), or
-    a bare list, read as accepted_length_probs."""
+    a bare list, read as accepted_length_probs. Other keys are ignored, so the summary.json of
+    `ocriaquant parse --spec K` (acceptance_summary) is one: the distribution measured on real pages."""
     if isinstance(acceptance, list):
         acceptance = {"accepted_length_probs": acceptance}
-    if not isinstance(acceptance, dict) or len(acceptance) != 1 or not \
-            {"accepted_length_probs", "position_acceptance"} >= set(acceptance):
+    kinds = {"accepted_length_probs", "position_acceptance"} & set(acceptance if isinstance(acceptance, dict) else ())
+    if len(kinds) != 1 or not isinstance(acceptance[next(iter(kinds))], list):
         raise ValueError("an acceptance description is {\"accepted_length_probs\": [...]} or "
-                         "{\"position_acceptance\": [...]} (or a bare list of accepted-length probabilities)")
-    (kind, vals), = acceptance.items()
+                         "{\"position_acceptance\": [...]} (or a bare list of accepted-length probabilities, or "
+                         "the summary.json of `ocriaquant parse --spec K`)")
+    kind = kinds.pop()
+    vals = acceptance[kind]
     vals = [float(v) for v in vals]
     if not vals or any(not 0 <= v <= 1 for v in vals):
         raise ValueError(f"{kind}: probabilities in [0, 1], at least one; got {vals}")

@@ -26,8 +26,7 @@ class Sequence:
     done: bool = False
     t_admit: float = 0.0           # perf_counter at admission, for latency
     t_first: float = 0.0           # perf_counter at the first token
-    verifies: int = 0              # speculative steps this sequence took part in
-    verified: int = 0              # tokens those steps gave it (accepted drafts + 1 each), before any cut
+    gave: list[int] = field(default_factory=list)  # speculative steps by tokens given: gave[j] steps gave j+1
 
     @property
     def prefilling(self) -> bool:

@@ -618,7 +618,7 @@ def _gpu_worker(device: str, feed, emit, job) -> None:
         from .model.processor import load_processor
 
         processor, source = load_processor(resolve_model_dir(checkpoint)), None
-    encs = [encode_page(processor, p) for p in page_list]
+    encs = [encode_page(processor, p, torch.bfloat16) for p in page_list]  # the runtime's dtype, as Engine.encode
     rt = ModelRunner(checkpoint, RuntimeConfig(backend=o.backend, device=device, max_slots=concurrency,
                                                max_len=encs[0]["input_ids"].shape[1] + o.out_tokens + 16,
                                                cuda_graphs=o.cuda_graphs,

@@ -79,7 +79,8 @@ def parse_refs(engine, device: str, refs, job: _Job, emit: Callable[..., None]) 
     o = job.options
     # On the CPU the engine needs the cores the readers would take: there, pages are read inline.
     readers = o.read_workers if o.read_workers is not None else (0 if str(device).startswith("cpu") else 2)
-    stream = stream_pages(refs, PageEncoder(job.model_dir), workers=readers, ahead=o.read_ahead, dpi=o.dpi)
+    stream = stream_pages(refs, PageEncoder(job.model_dir, engine.runner.model.dtype), workers=readers,
+                          ahead=o.read_ahead, dpi=o.dpi)
     admitted: dict[int, object] = {}  # request index (Result.rid) -> its page, until its markdown is written
 
     def requests():

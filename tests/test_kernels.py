@@ -17,6 +17,8 @@ from ocriaquant.runtime.kernels import gemv_fp8 as gemv_fp8_module  # noqa: E402
 from ocriaquant.runtime.kernels import reference  # noqa: E402
 from ocriaquant.runtime.kernels.add_rmsnorm import add_rmsnorm  # noqa: E402
 from ocriaquant.runtime.kernels.attn_decode import attn_decode  # noqa: E402
+from ocriaquant.runtime.kernels.conv_silu import conv_silu  # noqa: E402
+from ocriaquant.runtime.kernels.gated_rmsnorm import gated_rmsnorm  # noqa: E402
 from ocriaquant.runtime.kernels.gdn_decode import gdn_decode  # noqa: E402
 from ocriaquant.runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402
 from ocriaquant.runtime.kernels.gemv_dot import gemv_dot  # noqa: E402
@@ -828,3 +830,47 @@ def test_gemv_pdl_in_graph():
         g.replay()
         for got, want in zip(outs, step(False)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n,c,start", [(70, 200, False), (70, 200, True), (2, 96, True), (33, 128, False)])
+def test_conv_silu_matches_reference_over_rows_as_they_lie(n, c, start):
+    """A GDN prefill chunk's conv + SiLU on rows that are a view of a wider projection output (row stride
+    > C), from zeros or a slot's history, ragged in rows and channels, fewer rows than taps: within a bf16
+    rounding of float64 (the conv's bf16 rounding before SiLU included) and of the torch backend's ops."""
+    torch.manual_seed(n + c)
+    k = 4
+    wide = torch.randn(n, c + 40, dtype=torch.bfloat16, device=DEV)
+    x = wide[:, 8:8 + c]
+    weight = torch.randn(c, k, dtype=torch.bfloat16, device=DEV) / 2
+    history = torch.randn(c, k - 1, dtype=torch.bfloat16, device=DEV) if start else None
+    got = conv_silu(x, history, weight)
+    h = history if start else torch.zeros(c, k - 1, dtype=torch.bfloat16, device=DEV)
+    padded = torch.cat([h, x.T], dim=1).double()
+    conv = (padded.unfold(1, k, 1) * weight.double()[:, None, :]).sum(-1).to(torch.bfloat16).double()
+    exact = (conv * torch.sigmoid(conv)).T
+    assert got.shape == (n, c) and got.is_contiguous()
+    assert bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-30).all())  # rounded, half an ulp
+    assert (got != reference.conv_silu_ref(x, history, weight)).float().mean() <= 0.01  # the torch ops' values
+    if start:  # the history is read: the first rows differ from a prompt's first chunk
+        assert not torch.equal(got[:k - 1], conv_silu(x, None, weight)[:k - 1])
+
+
+@pytest.mark.parametrize("n,hv,v", [(37, 4, 32), (5, 3, 48)])
+def test_gated_rmsnorm_rows_give_the_torch_backends_values(n, hv, v):
+    """The GDN output's gated norm over prefill rows, z a view of a wider fused projection output:
+    the torch backend's values (its roundings: the weight multiplied in bf16, the product rounded
+    once), all but a rare last bit, and within half a bf16 ulp of those roundings in float64."""
+    torch.manual_seed(n * hv)
+    x = torch.randn(n, hv, v, dtype=torch.bfloat16, device=DEV) * 3
+    fused = torch.randn(n, hv * v + 24, dtype=torch.bfloat16, device=DEV)
+    z = fused[:, 24:]
+    w = (torch.rand(v, device=DEV) + 0.5).to(torch.bfloat16)
+    got = gated_rmsnorm(x, z, w, 1e-6)
+    want = reference.gated_rmsnorm_ref(x.reshape(-1, v), z.reshape(-1, v), w, 1e-6).reshape(n, -1)
+    assert got.shape == want.shape and (got != want).float().mean() <= 0.01
+    xd = x.double()
+    h = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    h = (w.double() * h.double()).to(torch.bfloat16).double()
+    zd = z.double().reshape(n, hv, v)
+    exact = (h * zd * torch.sigmoid(zd)).reshape(n, -1)
+    assert bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-30).all())

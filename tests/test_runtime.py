@@ -214,23 +214,63 @@ def test_w4a4_candidate_decodes_through_cuda_graphs_as_the_torch_backend(tiny_mo
     assert got["triton"] == got["torch"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
-def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path):
-    """Decode steps through gdn_decode, the GEMVs and silu_mul_quant give the torch backend's
-    logits and GDN state on a mixed FP8 / NVFP4 checkpoint: on the GPU when there is one, else on
-    the CPU under Triton's interpreter."""
+def _mixed_checkpoint(tiny_model_dir, synth_pages, tmp_path):
+    """The tiny model exported with every format mix a layer can have: FP8 and NVFP4 mixers and MLPs,
+    fused and apart, BF16 between."""
     from ocriaquant.artifacts import model_fingerprint
     from ocriaquant.export import export
-    from ocriaquant.runtime.config import RuntimeConfig
-    from ocriaquant.runtime.model_runner import ModelRunner
 
     plan = {"layers.0.gdn_in": "nvfp4", "layers.0.gdn_out": "fp8", "layers.0.mlp_up": "nvfp4", "layers.0.mlp_down": "fp8",
             "layers.1.gdn_in": "fp8", "layers.1.gdn_out": "nvfp4", "layers.3.attn_qkv": "fp8", "layers.3.attn_o": "fp8",
             "layers.3.mlp_down": "nvfp4", "layers.2.mlp_up": "nvfp4", "layers.2.mlp_down": "nvfp4"}
     (tmp_path / "plan.json").write_text(json.dumps({"target": "h200", "groups": plan, "model_dir": str(tiny_model_dir),
                                                     "calibration": {"fingerprint": model_fingerprint(tiny_model_dir)}}))
-    ckpt = export(tmp_path / "plan.json", tmp_path / "ckpt", pages=synth_pages, max_pages=1, verify_pages=0)
+    return export(tmp_path / "plan.json", tmp_path / "ckpt", pages=synth_pages, max_pages=1, verify_pages=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_triton_prefill_above_the_gemv_rows_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path, monkeypatch):
+    """A prefill of more rows than the GEMVs take, two chunks in one pass (one continuing its slot): the
+    triton backend's norms fused with the residual adds, writing the FP8 projections' codes (add_rmsnorm),
+    and silu·mul with down_proj's input (silu_mul_quant) give the torch backend's logits and GDN states."""
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.kernels import add_rmsnorm as norm_module
+    from ocriaquant.runtime.layers import Chunk
+    from ocriaquant.runtime.model_runner import ModelRunner
+
+    ckpt = _mixed_checkpoint(tiny_model_dir, synth_pages, tmp_path)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(2)
+    ids = [torch.randint(0, 250, (1, n)) for n in (90, 120)]
+    quant_calls = []
+    real = norm_module.add_rmsnorm
+    monkeypatch.setattr(norm_module, "add_rmsnorm", lambda *a, **k: quant_calls.append(a[4] if len(a) > 4 else None)
+                        or real(*a, **k))
+    runs = {}
+    for backend in ("torch", "triton"):
+        rt = ModelRunner(ckpt, RuntimeConfig(device=dev, max_slots=2, max_len=160, backend=backend))
+        a, b = rt.encode([{"input_ids": i} for i in ids])
+        rt.prefill_chunks([(b, Chunk(1, 0, 40))])  # slot 1 continues from 40 below
+        logits = rt.prefill_chunks([(a, Chunk(0, 0, 90)), (b, Chunk(1, 40, 80))])
+        runs[backend] = (logits.float().cpu(), torch.stack([rt.state[0]["ssm"][:2], rt.state[1]["ssm"][:2]]).cpu(),
+                         rt.state[0]["conv"][:2].float().cpu())
+    (lt, st, ct), (lk, sk, ck) = runs["torch"], runs["triton"]
+    assert "fp8" in quant_calls  # the FP8 projections' codes came from the norm
+    assert torch.equal(lk.argmax(-1), lt.argmax(-1)) and float((lk - lt).norm() / lt.norm()) <= 2e-2
+    assert float((sk - st).norm() / st.norm()) <= 2e-2 and float((ck - ct).norm() / ct.norm()) <= 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path):
+    """Decode steps through gdn_decode, the GEMVs and silu_mul_quant give the torch backend's
+    logits and GDN state on a mixed FP8 / NVFP4 checkpoint: on the GPU when there is one, else on
+    the CPU under Triton's interpreter."""
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.model_runner import ModelRunner
+
+    ckpt = _mixed_checkpoint(tiny_model_dir, synth_pages, tmp_path)
     torch.manual_seed(1)
     prompts = [torch.randint(0, 250, (1, n)) for n in (9, 6)]
     runs = {}

@@ -102,15 +102,25 @@ def test_a_reader_that_dies_fails_only_its_page(tmp_path):
 
 def test_the_model_processor_in_a_worker_encodes_as_the_engine_does():
     """The processor run in a reader process gives the request the engine builds in-process,
-    mm_token_type_ids included (Qwen3.5 needs them with image inputs)."""
+    mm_token_type_ids included (Qwen3.5 needs them with image inputs), its pixels in the runtime's
+    BF16 across the pipe; and the runtime's prompt (vision tower output in place) from those pixels
+    is bit for bit the one from the processor's fp32 pixels."""
+    import torch
+
     from ocriaquant.model.load import resolve_model_dir
     from ocriaquant.model.processor import PageEncoder, encode_page, load_processor
+    from ocriaquant.runtime.engine import Engine
 
     refs = list_pages(BUNDLED_PAGES).refs[:2]
-    got = list(stream_pages(refs, PageEncoder(resolve_model_dir(None)), workers=1))
-    proc = load_processor(resolve_model_dir(None))
+    got = list(stream_pages(refs, PageEncoder(resolve_model_dir(None), torch.bfloat16), workers=1))
+    engine = Engine()
     for item, ref in zip(got, refs):
-        want = encode_page(proc, PageReader().read(ref))
+        want = engine.encode(PageReader().read(ref))
         assert item.error is None and set(item.enc) == set(want) and "mm_token_type_ids" in want
+        assert want["pixel_values"].dtype == torch.bfloat16
         for k in want:
             assert item.enc[k].dtype == want[k].dtype and item.enc[k].equal(want[k]), k
+    full = encode_page(load_processor(resolve_model_dir(None)), PageReader().read(refs[0]))
+    assert full["pixel_values"].dtype == torch.float32
+    a, b = engine.runner.encode([full, got[0].enc])
+    assert torch.equal(a.embeds, b.embeds)

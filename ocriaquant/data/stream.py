@@ -49,17 +49,28 @@ def read_encode(reader: PageReader, encode: Callable, ref: PageRef) -> Encoded:
 
 def pack(enc: dict) -> dict:
     """Tensors cross the pipe as numpy arrays: torch's own pickling would share memory through
-    file descriptors that die with the worker."""
-    return {k: ("torch", v.numpy()) if type(v).__module__.startswith("torch") else ("raw", v) for k, v in enc.items()}
+    file descriptors that die with the worker. BF16, which numpy lacks, goes as its int16 bits."""
+    def one(v):
+        if not type(v).__module__.startswith("torch"):
+            return "raw", v
+        import torch
+
+        if v.dtype == torch.bfloat16:
+            return "torch_bf16", v.view(torch.int16).numpy()
+        return "torch", v.numpy()
+
+    return {k: one(v) for k, v in enc.items()}
 
 
 def unpack(enc: dict) -> dict:
     out = {}
     for k, (kind, v) in enc.items():
-        if kind == "torch":
+        if kind in ("torch", "torch_bf16"):
             import torch
 
             v = torch.from_numpy(v)
+            if kind == "torch_bf16":
+                v = v.view(torch.bfloat16)
         out[k] = v
     return out
 

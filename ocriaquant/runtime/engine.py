@@ -76,7 +76,7 @@ class Engine:
             self.eos.add(tok.eos_token_id)
 
     def encode(self, page: Page) -> dict:
-        return encode_page(self.processor, page)
+        return encode_page(self.processor, page, self.runner.model.dtype)  # the tower's dtype: half the bytes
 
     def generate(self, requests: Iterable[dict | tuple[dict, int]], max_new_tokens: int = 512,
                  max_batch: int | None = None, on_step: Callable[[int], None] | None = None,

@@ -27,9 +27,11 @@ def require_ray():
 @lru_cache(maxsize=2)
 def _encoder(model_dir: str):
     """One processor per Ray worker process, kept across the tasks it runs."""
+    import torch
+
     from ..model.processor import PageEncoder
 
-    return PageEncoder(model_dir)()
+    return PageEncoder(model_dir, torch.bfloat16)()  # the runtime's dtype, as parse's readers
 
 
 def _read_row(row: dict, model_dir: str, dpi: int) -> dict:

@@ -110,6 +110,27 @@ def add_rmsnorm_ref(x: torch.Tensor, h: torch.Tensor | Partials | None, weight: 
     return r, (t * (1.0 + weight.float())).type_as(r)
 
 
+def gated_rmsnorm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNormGated over rows of V: the norm in fp32, the weight multiplied in the input
+    dtype, then silu(gate) in fp32, rounded once (the torch backend's layers.gated_rmsnorm)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.float())).to(dtype)
+
+
+def conv_silu_ref(x: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    """A GDN prefill chunk's causal depthwise conv + SiLU over rows x [n, C] with the slot's last K-1
+    inputs (history [C, K-1]; None: zeros), as the torch backend computes it: the sum in fp32,
+    rounded to x's dtype, then SiLU."""
+    k = weight.shape[-1]
+    history = x.new_zeros(x.shape[1], k - 1) if history is None else history
+    padded = torch.cat([history.to(x.dtype), x.T], dim=1)  # [C, K-1+n]
+    y = (padded.unfold(1, k, 1).float() * weight.float()[:, None, :]).sum(-1).to(x.dtype)  # [C, n]
+    return F.silu(y).T.contiguous()
+
+
 def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64, gate=None):
     """Plain torch, row by row in `dtype`: softmax over the visible prefix of the row's slot,
     times sigmoid(gate) if given."""

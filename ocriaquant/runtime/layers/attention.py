@@ -46,14 +46,15 @@ class Attention(nn.Module):
             return self.qkv_proj(x, x_q)
         return self.q_proj(x, x_q), self.k_proj(x, x_q), self.v_proj(x, x_q)
 
-    def prefill(self, x, state, chunks: list[Chunk], cos, sin):
+    def prefill(self, x, state, chunks: list[Chunk], cos, sin, x_q: tuple | None = None):
         """x [sum n, D]: the rows of several requests' prefill chunks (GatedDeltaNet.prefill);
         cos / sin [sum n, rot]. Each chunk writes its keys and values at [start, start + n) of its
-        slot's cache and attends to the slot's first start + n positions, causally."""
+        slot's cache and attends to the slot's first start + n positions, causally. x_q: FP8
+        projections' input codes, made by the norm before (QuantLinear.forward_w8a8)."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         total, hd = x.shape[0], self.head_dim
-        qg, k, v = self._project(x)
+        qg, k, v = self._project(x, x_q)
         q, gate = torch.chunk(qg.reshape(total, -1, hd * 2), 2, dim=-1)
         q = self.q_norm(q).transpose(0, 1)                                     # [heads, sum n, hd]
         k = self.k_norm(k.reshape(total, -1, hd)).transpose(0, 1)

@@ -112,26 +112,28 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, g, beta
 
     def _out(self, core: torch.Tensor, x: torch.Tensor, p: dict) -> torch.Tensor:
+        if self.kernels is not None and x.ndim == 2:  # prefill rows: one launch, z read where it lies
+            from ..kernels.gated_rmsnorm import gated_rmsnorm as gated_rmsnorm_rows
+
+            return self.out_proj(gated_rmsnorm_rows(core.reshape(x.shape[0], self.HV, self.V).contiguous(),
+                                                    p["in_proj_z"], self.norm_weight, self.eps))
         z = p["in_proj_z"].reshape(-1, self.V)
         o = gated_rmsnorm(core.reshape(-1, self.V), z, self.norm_weight, self.eps)
         return self.out_proj(o.reshape(*x.shape[:-1], -1))
 
-    def prefill(self, x: torch.Tensor, state: dict, chunks: list[Chunk]) -> torch.Tensor:
+    def prefill(self, x: torch.Tensor, state: dict, chunks: list[Chunk], x_q: tuple | None = None) -> torch.Tensor:
         """x [sum n, D]: the rows of several requests' prefill chunks, one after another ->
         [sum n, D]. A chunk that starts at 0 begins from zero history; one that starts later
         continues from its slot's conv and recurrent state. Each writes its slot's state back.
-        The projections run over all rows at once; the conv and the delta rule per chunk."""
-        p = self._proj(x)
+        The projections run over all rows at once; the conv and the delta rule per chunk. x_q:
+        FP8 projections' input codes, made by the norm before (QuantLinear.forward_w8a8)."""
+        p = self._proj(x, x_q)
         rule = chunk_rule(self.kernels is not None and x.is_cuda)
         cores, row = [], 0
         for c in chunks:
             rows = slice(row, row + c.n)
             row += c.n
-            mixed = p["in_proj_qkv"][rows].T  # [C, n]
-            history = state["conv"][c.slot] if c.start else mixed.new_zeros(mixed.shape[0], self.kernel - 1)
-            padded = torch.cat([history, mixed], dim=1)
-            state["conv"][c.slot].copy_(padded[:, -(self.kernel - 1):])
-            mixed = self._conv(padded).T  # [n, C]
+            mixed = self._conv_rows(p["in_proj_qkv"][rows], state["conv"], c)  # [n, C]
             q, k, v, g, beta = self._qkv_gates({n: t[rows] for n, t in p.items()}, mixed)
             initial = state["ssm"][c.slot].transpose(-1, -2)[None].contiguous() if c.start else None
             core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
@@ -140,12 +142,26 @@ class GatedDeltaNet(nn.Module):
             cores.append(core[0].to(x.dtype))
         return self._out(torch.cat(cores), x, p)
 
-    def _conv(self, padded: torch.Tensor) -> torch.Tensor:
-        """silu(depthwise causal conv) of [C, kernel - 1 + n] columns -> [C, n]. On a GPU cuDNN's
-        depthwise conv1d; on the CPU the written-out sum (depthwise_causal_conv_silu says why)."""
+    def _conv_rows(self, x: torch.Tensor, conv: torch.Tensor, c: Chunk) -> torch.Tensor:
+        """silu(depthwise causal conv) of a chunk's rows x [n, C], continuing from its slot's conv
+        state (its last kernel - 1 inputs) unless the chunk starts the prompt; the state then holds
+        the chunk's last inputs. With kernels one conv_silu launch on the rows as they lie; else
+        the torch ops on channels: cuDNN's depthwise conv1d on a GPU, on the CPU the written-out sum
+        (depthwise_causal_conv_silu says why)."""
+        history = conv[c.slot] if c.start else None
+        if self.kernels is not None:
+            from ..kernels.conv_silu import conv_silu
+
+            y = conv_silu(x, history, self.conv_weight)  # reads the history before the state moves on
+            tail = x[-(self.kernel - 1):].T if c.n >= self.kernel - 1 else \
+                torch.cat([history if history is not None else x.new_zeros(x.shape[1], self.kernel - 1), x.T], 1)
+            conv[c.slot].copy_(tail[:, -(self.kernel - 1):])
+            return y
+        padded = torch.cat([history if history is not None else x.new_zeros(x.shape[1], self.kernel - 1), x.T], dim=1)
+        conv[c.slot].copy_(padded[:, -(self.kernel - 1):])
         if padded.is_cuda:
-            return F.silu(F.conv1d(padded[None], self.conv_weight[:, None], groups=padded.shape[0])[0])
-        return depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None])
+            return F.silu(F.conv1d(padded[None], self.conv_weight[:, None], groups=padded.shape[0])[0]).T
+        return depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None]).T
 
     def decode(self, x: torch.Tensor, state: dict, step: Step, x_q: tuple | None = None, partials: bool = False):
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place. partials:

@@ -103,7 +103,7 @@ class QuantLinear(nn.Module):
             y = self.forward_kernels(x.reshape(-1, x.shape[-1]), x_q, partials)
             return y if isinstance(y, Partials) else y.reshape(*x.shape[:-1], -1)
         if self.kind == "fp8" and self.kernels is not None and x.dtype == torch.bfloat16:
-            return self.forward_w8a8(x)
+            return self.forward_w8a8(x, x_q if x_q is not None and x_q[0].dtype == torch.float8_e4m3fn else None)
         if self.kind == "fp8":
             x = fp8.fake_quant_activation(x)
         elif self.kind == "nvfp4_w4a4":
@@ -150,17 +150,22 @@ class QuantLinear(nn.Module):
                           x_pairs=x_q if form == torch.int32 else None, m1=self._m1(), partials=partials, pdl=pdl,
                           **self.tile())
 
-    def forward_w8a8(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_w8a8(self, x: torch.Tensor | None, x_q: tuple | None = None) -> torch.Tensor:
         """Prefill rows, FP8: per-token E4M3 activations (quant_fp8_per_token: the numerics of
         fp8.fake_quant_activation) times the E4M3 weight on the tensor cores, both scales applied
         to the fp32 sums (torch._scaled_mm, rowwise) — the W8A8 product the checkpoint defines,
-        at twice the BF16 rate on Hopper (BENCHMARKS.md)."""
+        at twice the BF16 rate on Hopper (BENCHMARKS.md). x_q: x's codes and scales made by the
+        kernel that wrote x (add_rmsnorm, silu_mul_quant: the same numerics); x may then be None."""
         from ..kernels.gemv_fp8 import quant_fp8_per_token
 
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        q, s = quant_fp8_per_token(rows, pdl=self.kernels.pdl)
-        y = torch._scaled_mm(q, self.w_q.t(), scale_a=s, scale_b=self.w_scale_row, out_dtype=x.dtype)
-        return y.reshape(*x.shape[:-1], -1)
+        if x_q is None:
+            lead = x.shape[:-1]
+            q, s = quant_fp8_per_token(x.reshape(-1, self.in_features).contiguous(), pdl=self.kernels.pdl)
+        else:
+            lead = x_q[0].shape[:-1]
+            q, s = x_q[0].reshape(-1, self.in_features), x_q[1].reshape(-1, 1)
+        y = torch._scaled_mm(q, self.w_q.t(), scale_a=s, scale_b=self.w_scale_row, out_dtype=self.weight.dtype)
+        return y.reshape(*lead, -1)
 
     def _m1(self) -> tuple | None:
         if self.m1_interleaved:  # its rows are reordered for gemv_nvfp4_silu, which MLP calls

@@ -205,15 +205,23 @@ class Qwen3_5(nn.Module):
         chunks = [c for _, c in parts]
         x = torch.cat([p.embeds[c.start:c.start + c.n] for p, c in parts])
         cos, sin = self.rope(torch.cat([p.positions[:, c.start:c.start + c.n] for p, c in parts], dim=1))
-        for layer, st in zip(self.layers, state):
-            h = layer.input_layernorm(x)
-            if isinstance(layer.mixer, Attention):
-                h = layer.mixer.prefill(h, st, chunks, cos, sin)
-            else:
-                h = layer.mixer.prefill(h, st, chunks)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+        if self.kernels:  # each residual add fused with the norm after it, which also writes FP8 inputs' codes
+            from ..kernels.add_rmsnorm import add_rmsnorm
+
+            def norm(x, h, norm, quant):
+                return add_rmsnorm(x, h, norm.weight, norm.eps, quant if quant == "fp8" else None)
+        else:
+            def norm(x, h, norm, quant):
+                r = x if h is None else x + h
+                return r, norm(r)
+        h = None
+        for layer, st, (mixer_q, mlp_q) in zip(self.layers, state, self.norm_quant):
+            x, n, *n_q = norm(x, h, layer.input_layernorm, mixer_q)
+            extra = (cos, sin) if isinstance(layer.mixer, Attention) else ()
+            h = layer.mixer.prefill(n, st, chunks, *extra, x_q=n_q[0] if n_q else None)
+            x, n, *n_q = norm(x, h, layer.post_attention_layernorm, mlp_q)
+            h = layer.mlp(n, *n_q)
+        return x + h
 
     def step(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,
              span: int = 0) -> tuple[torch.Tensor, Step]:

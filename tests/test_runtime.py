@@ -261,7 +261,7 @@ def test_triton_prefill_above_the_gemv_rows_matches_torch_backend(tiny_model_dir
     assert float((sk - st).norm() / st.norm()) <= 2e-2 and float((ck - ct).norm() / ct.norm()) <= 2e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path):
     """Decode steps through gdn_decode, the GEMVs and silu_mul_quant give the torch backend's

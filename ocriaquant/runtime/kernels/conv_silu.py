@@ -6,7 +6,7 @@ The torch path transposes the rows to channels, concatenates the history, runs c
 conv1d (its generic kernel at these shapes) and SiLU, and transposes back: four passes over the
 [n, C] block and a copy for each. Here the rows are read where the projection wrote them (any
 row stride: a view of a fused projection's output) and written once. Numerics as the torch
-reference (gdn.depthwise_causal_conv_silu): the sum in fp32, rounded to bf16, then SiLU.
+reference (reference.conv_silu_ref): the sum in fp32, rounded to bf16, then SiLU.
 """
 
 from __future__ import annotations
@@ -53,10 +53,8 @@ def conv_silu(x: torch.Tensor, history: torch.Tensor | None, weight: torch.Tenso
     if x.stride(-1) != 1 or weight.shape[0] != c or (history is not None and history.shape != (c, k - 1)):
         raise ValueError(f"conv_silu: x {tuple(x.shape)} (stride {x.stride()}), weight {tuple(weight.shape)}, history "
                          f"{None if history is None else tuple(history.shape)} do not fit [n, C], [C, K], [C, K-1]")
-    weight = weight.reshape(c, k).contiguous()
-    h = history if history is not None else weight
-    if history is not None and history.stride(-1) != 1:
-        h = history.contiguous()
+    weight = weight.contiguous()
+    h = weight if history is None else history.contiguous()  # any pointer when there is none: never read
     y = torch.empty(n, c, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_t), triton.cdiv(c, block_c))
     _conv_silu_kernel[grid](x, h, weight, y, n, c, x.stride(0), h.stride(0), K=k, HAS_H=history is not None,

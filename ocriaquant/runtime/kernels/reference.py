@@ -120,15 +120,21 @@ def gated_rmsnorm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return (h * F.silu(gate.float())).to(dtype)
 
 
+def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[.., C, kernel] windows · [C, kernel] weights -> silu(conv) in the input dtype: the sum in
+    fp32, rounded, then SiLU. The same sum F.conv1d computes, written out: on the CPU a depthwise
+    F.conv1d in BF16 falls to a per-channel slow path (about 1 s per decode step of the bundled model)."""
+    y = (window.float() * weight.float()).sum(-1).to(window.dtype)
+    return F.silu(y)
+
+
 def conv_silu_ref(x: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
     """A GDN prefill chunk's causal depthwise conv + SiLU over rows x [n, C] with the slot's last K-1
-    inputs (history [C, K-1]; None: zeros), as the torch backend computes it: the sum in fp32,
-    rounded to x's dtype, then SiLU."""
+    inputs (history [C, K-1]; None: zeros) -> [n, C]: what the torch backend runs."""
     k = weight.shape[-1]
     history = x.new_zeros(x.shape[1], k - 1) if history is None else history
     padded = torch.cat([history.to(x.dtype), x.T], dim=1)  # [C, K-1+n]
-    y = (padded.unfold(1, k, 1).float() * weight.float()[:, None, :]).sum(-1).to(x.dtype)  # [C, n]
-    return F.silu(y).T.contiguous()
+    return depthwise_causal_conv_silu(padded.unfold(1, k, 1), weight[:, None, :]).T.contiguous()
 
 
 def attn_decode_ref(q, k_cache, v_cache, slots, lengths, scale, dtype=torch.float64, gate=None):

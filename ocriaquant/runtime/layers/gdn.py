@@ -11,18 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.reference import conv_silu_ref, depthwise_causal_conv_silu
 from .linear import FusedLinear, QuantLinear
 from .norm import gated_rmsnorm
 from .step import Chunk, Step
-
-
-def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[.., C, kernel] windows · [C, kernel] weights -> silu(conv) in the input dtype.
-
-    The same sum F.conv1d computes, written out: on the CPU a depthwise F.conv1d in BF16 falls
-    to a per-channel slow path (about 1 s per decode step of the bundled model)."""
-    y = (window.float() * weight.float()).sum(-1).to(window.dtype)
-    return F.silu(y)
 
 
 def chunk_rule(gpu_kernels: bool):
@@ -114,7 +106,7 @@ class GatedDeltaNet(nn.Module):
         return q, k, v, g, beta
 
     def _out(self, core: torch.Tensor, x: torch.Tensor, p: dict) -> torch.Tensor:
-        if self.kernels is not None and x.ndim == 2:  # prefill rows: one launch, z read where it lies
+        if self.kernels is not None:  # prefill rows (decode and verify norm inside their kernels): z read in place
             from ..kernels.gated_rmsnorm import gated_rmsnorm as gated_rmsnorm_rows
 
             return self.out_proj(gated_rmsnorm_rows(core.reshape(x.shape[0], self.HV, self.V).contiguous(),
@@ -148,23 +140,19 @@ class GatedDeltaNet(nn.Module):
     def _conv_rows(self, x: torch.Tensor, conv: torch.Tensor, c: Chunk) -> torch.Tensor:
         """silu(depthwise causal conv) of a chunk's rows x [n, C], continuing from its slot's conv
         state (its last kernel - 1 inputs) unless the chunk starts the prompt; the state then holds
-        the chunk's last inputs. With kernels one conv_silu launch on the rows as they lie; else
-        the torch ops on channels: cuDNN's depthwise conv1d on a GPU, on the CPU the written-out sum
-        (depthwise_causal_conv_silu says why)."""
+        the chunk's last inputs. With kernels one conv_silu launch on the rows as they lie; else its
+        torch reference."""
+        w = self.kernel - 1
         history = conv[c.slot] if c.start else None
         if self.kernels is not None:
             from ..kernels.conv_silu import conv_silu
 
-            y = conv_silu(x, history, self.conv_weight)  # reads the history before the state moves on
-            tail = x[-(self.kernel - 1):].T if c.n >= self.kernel - 1 else \
-                torch.cat([history if history is not None else x.new_zeros(x.shape[1], self.kernel - 1), x.T], 1)
-            conv[c.slot].copy_(tail[:, -(self.kernel - 1):])
-            return y
-        padded = torch.cat([history if history is not None else x.new_zeros(x.shape[1], self.kernel - 1), x.T], dim=1)
-        conv[c.slot].copy_(padded[:, -(self.kernel - 1):])
-        if padded.is_cuda:
-            return F.silu(F.conv1d(padded[None], self.conv_weight[:, None], groups=padded.shape[0])[0]).T
-        return depthwise_causal_conv_silu(padded.unfold(1, self.kernel, 1), self.conv_weight[:, None]).T
+            y = conv_silu(x, history, self.conv_weight)
+        else:
+            y = conv_silu_ref(x, history, self.conv_weight)
+        past = history if history is not None else x.new_zeros(x.shape[1], w)  # read above before it moves on
+        conv[c.slot].copy_(torch.cat([past, x[-w:].T], dim=1)[:, -w:])
+        return y
 
     def decode(self, x: torch.Tensor, state: dict, step: Step, x_q: tuple | None = None, partials: bool = False):
         """x [B, D], one token per slot -> [B, D]; the slots' states advance in place. partials:

@@ -69,11 +69,10 @@ class MLP(nn.Module):
                 h, pairs = silu_mul_quant(gate, up, "bf16", pairs=True, pdl=pdl)
                 return down.forward_kernels(h, pairs, partials)
             return down.forward_kernels(silu_mul_quant(gate, up, "bf16", pdl=pdl), None, partials)
-        if self.kernels is not None:  # prefill rows: silu·mul in one pass, with down_proj's FP8 input if it takes one
+        if self.kernels is not None:  # prefill rows [n, I]: silu·mul in one pass, with down_proj's FP8 input form
             from ..kernels.silu_mul_quant import silu_mul_quant
 
-            lead, g, u = gate.shape[:-1], gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
             if down.kind == "fp8":
-                return down.forward_w8a8(None, silu_mul_quant(g, u, "fp8", pdl=self.kernels.pdl)).reshape(*lead, -1)
-            return down(silu_mul_quant(g, u, "bf16", pdl=self.kernels.pdl).reshape(*lead, -1))
+                return down.forward_w8a8(None, silu_mul_quant(gate, up, "fp8", pdl=self.kernels.pdl))
+            return down(silu_mul_quant(gate, up, "bf16", pdl=self.kernels.pdl))
         return down(F.silu(gate) * up)

@@ -4,6 +4,7 @@ decode steps and chunks, gives the tokens of a whole prefill."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
 from ocriaquant.runtime.config import RuntimeConfig
@@ -57,6 +58,25 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(which, request):
     # a continuing chunk (start > 0) right after a decode step of the other slot: admission mid-decode
     assert any(a[0] == "decode" and b[0] == "prefill" and any(ch.start > 0 for ch in b[1])
                for a, b in zip(calls, calls[1:]))
+
+
+def test_a_pass_leaves_a_sliver_of_the_budget_for_the_next():
+    """Two 4,084-token pages under a 4,096-token budget: the second page waits for the next pass
+    rather than prefill 12 tokens (a chunk launches each GDN layer's conv and delta rule whatever
+    its size); a chunk that ends its prompt, or takes min_chunk, still joins."""
+    from ocriaquant.runtime.scheduler import Scheduler
+
+    def plan(remaining: list[int], budget=4096, min_chunk=256):
+        sched = Scheduler(iter([({"input_ids": torch.zeros(1, 4084)}, 8)] * len(remaining)), max_slots=4)
+        for seq, left in zip(sched.admit(), remaining):
+            seq.prefilled = seq.prompt_len - left
+        return [(c.start, c.n) for _, c in sched.prefill_plan(budget, min_chunk)]
+
+    assert plan([4084, 4084]) == [(0, 4084)]
+    assert plan([4084, 4084], min_chunk=1) == [(0, 4084), (0, 12)]
+    assert plan([3000, 4084]) == [(1084, 3000), (0, 1096)]
+    assert plan([4084, 10]) == [(0, 4084), (4074, 10)]  # ends its prompt
+    assert plan([4084, 4084, 4084], budget=100) == [(0, 100)]  # the first chunk whatever the budget
 
 
 def test_prefill_budget_is_checked():

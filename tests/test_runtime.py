@@ -100,6 +100,32 @@ def test_prefill_logits_equal_transformers(tiny_model_dir, synth_pages):
     assert delta < 0  # 64 image tokens on a 8x8 grid take fewer than 64 positions
 
 
+def test_pages_of_two_sizes_encode_together_as_each_alone(tiny_model_dir, synth_pages):
+    """One vision call for several pages keeps each page's attention to itself: the bounds the
+    runtime hands transformers from the host's grid (no sync a layer) are the ones it would make."""
+    from transformers.vision_utils import get_vision_cu_seqlens
+
+    from ocriaquant.model import load_model
+    from ocriaquant.model.processor import chat_text
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.model_runner import ModelRunner
+    from ocriaquant.runtime.models.qwen3_5 import vision_cu_seqlens
+
+    _, proc = load_model(tiny_model_dir, dtype="fp32")
+    a, b = load_pages(synth_pages).pages[:2]
+    encs = [dict(proc(images=[img], text=[chat_text(proc, page.prompt)], return_tensors="pt"))
+            for page, img in ((a, a.image), (b, b.image.resize((192, 224))))]
+    grid = torch.cat([e["image_grid_thw"] for e in encs])
+    assert grid[0].tolist() != grid[1].tolist()
+    assert torch.equal(vision_cu_seqlens(grid), get_vision_cu_seqlens(grid))
+    rt = ModelRunner(tiny_model_dir, RuntimeConfig(max_slots=2, max_len=512, dtype=torch.float32))
+    together = rt.encode(encs)
+    for enc, got in zip(encs, together):
+        alone, = rt.encode([enc])
+        assert torch.allclose(got.embeds, alone.embeds, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.positions, alone.positions) and got.delta == alone.delta
+
+
 @pytest.mark.parametrize("which", ["bf16", "mixed"])
 def test_runtime_greedy_tokens_equal_transformers(which, request):
     """Four held-out pages with different token limits, two slots: pages join as others

@@ -19,6 +19,7 @@ from .model_runner import ModelRunner
 from .scheduler import Scheduler, Sequence
 
 PREFILL_BUDGET = 4096  # prompt tokens a step prefills: about one 4.1 MP page (BENCHMARKS.md)
+MIN_CHUNK = 1 / 16  # of the budget: the least a pass's later chunk takes (Scheduler.prefill_plan)
 
 
 def _inputs(run: list[Sequence]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -137,7 +138,7 @@ class Engine:
         got = None
         if run:
             got = self.runner.greedy_step(*_inputs(run))
-        plan = sched.prefill_plan(self.prefill_budget)
+        plan = sched.prefill_plan(self.prefill_budget, max(1, int(self.prefill_budget * MIN_CHUNK)))
         fresh = [seq for seq, _ in plan if seq.prompt is None]
         if fresh:  # the vision tower, once per page, ahead of its first text chunk
             for seq, prompt in zip(fresh, self.runner.encode([seq.enc for seq in fresh])):

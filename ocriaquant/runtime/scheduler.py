@@ -60,15 +60,20 @@ class Scheduler:
             out.append(seq)
         return out
 
-    def prefill_plan(self, budget: int) -> list[tuple[Sequence, Chunk]]:
+    def prefill_plan(self, budget: int, min_chunk: int = 1) -> list[tuple[Sequence, Chunk]]:
         """This step's prefill chunks: admitted sequences in order, each taking what is left of
-        the budget (at least one chunk per step, however small the budget)."""
+        the budget (at least one chunk per step, however small the budget). A chunk after the
+        first takes at least min_chunk tokens or the rest of its prompt: every chunk launches its
+        GDN layers' conv and delta rule once, whatever its size, so a sliver left by the budget
+        waits for the next pass."""
         plan = []
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.prefilling:
                 n = min(seq.prompt_len - seq.prefilled, budget)
+                if plan and n < min(min_chunk, seq.prompt_len - seq.prefilled):
+                    break
                 plan.append((seq, Chunk(seq.slot, seq.prefilled, n)))
                 budget -= n
         return plan

@@ -91,16 +91,19 @@ class GatedDeltaNet(nn.Module):
         return {"conv": torch.zeros(slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device),
                 "ssm": torch.zeros(slots, self.HV, self.V, self.K, dtype=torch.float32, device=device)}
 
-    def _qkv_gates(self, p, mixed, grouped: bool = False):
-        """q, k, v by head, the decay g and β from the conv's output and the projections. grouped: q and k
-        keep their H heads (a rule that maps value head i to key head i // (HV / H) itself, fla-core's)."""
+    def _heads(self, mixed: torch.Tensor):
+        """The conv's output [..., C] as q, k [..., H, K] and v [..., HV, V] (views)."""
         t = mixed.shape[:-1]
         q, k, v = torch.split(mixed, [self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
-        q, k = q.reshape(*t, self.H, self.K), k.reshape(*t, self.H, self.K)
-        v = v.reshape(*t, self.HV, self.V)
+        return q.reshape(*t, self.H, self.K), k.reshape(*t, self.H, self.K), v.reshape(*t, self.HV, self.V)
+
+    def _qkv_gates(self, p, mixed):
+        """q, k, v by head (q and k repeated to the value heads), the decay g and β from the conv's
+        output and the projections: what transformers' torch functions take."""
+        q, k, v = self._heads(mixed)
         beta = p["in_proj_b"].sigmoid()
         g = -self.A_log.float().exp() * F.softplus(p["in_proj_a"].float() + self.dt_bias)
-        if self.HV // self.H > 1 and not grouped:
+        if self.HV // self.H > 1:
             q = q.repeat_interleave(self.HV // self.H, dim=-2)
             k = k.repeat_interleave(self.HV // self.H, dim=-2)
         return q, k, v, g, beta
@@ -123,17 +126,27 @@ class GatedDeltaNet(nn.Module):
         FP8 projections' input codes, made by the norm before (QuantLinear.forward_w8a8)."""
         p = self._proj(x, x_q)
         rule = chunk_rule(self.kernels is not None and x.is_cuda)
-        grouped = rule.__module__.startswith("fla")  # fla-core >= 0.6 takes HV > H as is (GVA): no repeated q, k
+        fla = rule.__module__.startswith("fla")
         cores, row = [], 0
         for c in chunks:
             rows = slice(row, row + c.n)
             row += c.n
             mixed = self._conv_rows(p["in_proj_qkv"][rows], state["conv"], c)  # [n, C]
-            q, k, v, g, beta = self._qkv_gates({n: t[rows] for n, t in p.items()}, mixed, grouped)
-            initial = state["ssm"][c.slot].transpose(-1, -2)[None].contiguous() if c.start else None
-            core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
-                               output_final_state=True, use_qk_l2norm_in_kernel=True)
-            state["ssm"][c.slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
+            if fla:  # fla-core >= 0.6: q, k at their key heads (GVA), the decay made in its cumsum kernel from
+                # a, A_log and dt_bias, the state V-first as ours: a dozen small launches a layer fewer
+                q, k, v = self._heads(mixed)
+                initial = state["ssm"][c.slot][None] if c.start else None
+                core, final = rule(q[None], k[None], v[None], g=p["in_proj_a"][rows][None],
+                                   beta=p["in_proj_b"][rows].sigmoid()[None], initial_state=initial,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                   A_log=self.A_log, dt_bias=self.dt_bias, state_v_first=True)
+                state["ssm"][c.slot].copy_(final[0])
+            else:
+                q, k, v, g, beta = self._qkv_gates({n: t[rows] for n, t in p.items()}, mixed)
+                initial = state["ssm"][c.slot].transpose(-1, -2)[None].contiguous() if c.start else None
+                core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+                state["ssm"][c.slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
             cores.append(core[0].to(x.dtype))
         return self._out(cores[0] if len(cores) == 1 else torch.cat(cores), x, p)
 

@@ -19,6 +19,13 @@ GDN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def vision_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
+    """The vision tower's attention segments (one a frame: h * w patches each) as cumulative
+    bounds [0, n0, n0 + n1, ...], int32, computed where grid_thw lives (transformers' convention)."""
+    sizes = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return torch.nn.functional.pad(sizes.cumsum(0, dtype=torch.int32), (1, 0))
+
+
 @dataclass
 class Prompt:
     """A request ready for prefill: its embeddings [T, D] (image features in place), M-RoPE
@@ -162,9 +169,14 @@ class Qwen3_5(nn.Module):
         with_img = [i for i, e in enumerate(encs) if "pixel_values" in e]
         feats = {}
         if with_img:
-            grid = torch.cat([encs[i]["image_grid_thw"] for i in with_img]).to(device)
+            grid_host = torch.cat([encs[i]["image_grid_thw"] for i in with_img])
+            grid = grid_host.to(device)
             pixels = torch.cat([encs[i]["pixel_values"] for i in with_img]).to(device, self.dtype)
-            img = self.visual(pixels, grid_thw=grid, return_dict=True).pooler_output
+            # the images' boundaries from the host's grid: transformers' SDPA path splits every layer's
+            # attention at them with .tolist(), a host sync a layer when they live on the GPU
+            bounds = {} if "flash" in str(self.visual.config._attn_implementation) else \
+                {"cu_seqlens": vision_cu_seqlens(grid_host)}
+            img = self.visual(pixels, grid_thw=grid, return_dict=True, **bounds).pooler_output
             merge = self.config.vision_config.spatial_merge_size ** 2
             sizes = [int(encs[i]["image_grid_thw"].prod(-1).sum()) // merge for i in with_img]
             feats = dict(zip(with_img, img.split(sizes)))

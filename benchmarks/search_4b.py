@@ -135,6 +135,7 @@ def main():
         max_pages=args.calib_pages, batch_size=1, device=args.device, dtype="bf16" if cuda else "fp32",
         split="calibration"))
     stages["calibrate_s"], peaks["calibrate_gb"] = round(time.time() - t, 1), peak_gb(cuda)
+    print(f"setup {setup_s:.1f} s; calibrate {stages['calibrate_s']} s, peak GPU {peaks['calibrate_gb']} GB", flush=True)
     t = time.time()
     opts = SearchOptions(target="h200", batch=args.batch, latency_table=args.latency_table,
                          eval_pages=args.eval_pages, candidates=args.candidates, device=args.device, dtype="bf16",
@@ -146,6 +147,7 @@ def main():
     if cuda:
         torch.cuda.synchronize()
     stages["search_s"], peaks["search_gb"] = round(time.time() - t, 1), peak_gb(cuda)
+    print(f"search {stages['search_s']} s, peak GPU {peaks['search_gb']} GB", flush=True)  # kept if export fails
     t = time.time()
     exported = rep["chosen"] != "BF16"
     if exported:

@@ -347,15 +347,20 @@ class _VisionOnce(torch.nn.Module):
     def forward(self, pixel_values, grid_thw=None, **kwargs):
         from types import SimpleNamespace
 
+        from .runtime.models.qwen3_5 import vision_cu_seqlens
+
         if grid_thw is None:
             return self.tower(pixel_values, **kwargs)
-        rows = [int(n) for n in grid_thw.prod(-1).tolist()]  # patches per page
+        grid = grid_thw.cpu()
+        rows = [int(n) for n in grid.prod(-1).tolist()]  # patches per page
         parts = pixel_values.split(rows)
-        keys = [_page_key(p, g) for p, g in zip(parts, grid_thw)]
+        keys = [_page_key(p, g) for p, g in zip(parts, grid)]
         known = [k in self.pages and torch.equal(self.pages[k], p) for k, p in zip(keys, parts)]
         miss = [i for i, k in enumerate(keys) if not (known[i] and k in self.memo)]
         feats = {}
         if miss:
+            if "cu_seqlens" in kwargs:  # the runtime's images' bounds are the whole call's: the misses' instead
+                kwargs["cu_seqlens"] = vision_cu_seqlens(grid[miss])
             out = self.tower(torch.cat([parts[i] for i in miss]), grid_thw=grid_thw[miss], **kwargs).pooler_output
             for i, f in zip(miss, out.split([rows[i] // self.merge for i in miss])):
                 feats[i] = f

@@ -35,6 +35,7 @@ from ocriaquant.runtime.kernels.reference import (add_rmsnorm_ref, attn_decode_r
 from ocriaquant.runtime.kernels.silu_mul_quant import silu_mul_quant  # noqa: E402
 from ocriaquant.runtime.kernels.splitk import l2_ahead, use_pdl  # noqa: E402
 from ocriaquant.runtime.kernels.step_inputs import step_inputs  # noqa: E402
+from ocriaquant.runtime.kernels.vision_rope import vision_rope  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -874,3 +875,34 @@ def test_gated_rmsnorm_rows_give_the_torch_backends_values(n, hv, v):
     zd = z.double().reshape(n, hv, v)
     exact = (h * zd * torch.sigmoid(zd)).reshape(n, -1)
     assert bool(((got.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-30).all())
+
+
+@pytest.mark.parametrize("S,H,D", [(100, 2, 32), (9, 3, 72)])
+def test_vision_rope_gives_transformers_q_k_v_for_sdpa(S, H, D):
+    """The vision tower's rope and layout from the qkv rows (a view of a wider buffer): the values of
+    transformers' apply_rotary_pos_emb_vision after its unbind and transposes (the reference is those
+    ops, checked here against transformers' own function), all but a rare last bit, and within half
+    a bf16 ulp of the float64 rotation; v moved as it is. D = 72: a half that is no power of two."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
+
+    torch.manual_seed(S + D)
+    wide = torch.randn(S, 3 * H * D + 16, dtype=torch.bfloat16, device=DEV) * 2
+    qkv = wide[:, 16:]
+    theta = torch.rand(S, D // 2, device=DEV) * 40
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)  # transformers' layout
+    got = vision_rope(qkv, cos, sin, H)
+    want = reference.vision_rope_ref(qkv, cos, sin, H)
+    q, k, v = qkv.reshape(S, 3, H, D).permute(1, 0, 2, 3).unbind(0)
+    hf_q, hf_k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    assert torch.equal(want[0][0], hf_q.transpose(0, 1)) and torch.equal(want[1][0], hf_k.transpose(0, 1))
+    for g, w in zip(got, want):
+        assert g.shape == (1, H, S, D) and g.is_contiguous() and (g != w).float().mean() <= 0.01
+    assert torch.equal(got[2], want[2])
+    for g, x in zip(got[:2], (q, k)):
+        xd = x.double()
+        x1, x2 = xd.chunk(2, -1)
+        exact = (xd * cos.double()[:, None] + torch.cat((-x2, x1), -1) * sin.double()[:, None]).transpose(0, 1)
+        assert bool(((g[0].double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-6).all())
+    with pytest.raises(ValueError, match="vision_rope"):
+        vision_rope(qkv.float(), cos, sin, H)
+

@@ -126,6 +126,66 @@ def test_pages_of_two_sizes_encode_together_as_each_alone(tiny_model_dir, synth_
         assert torch.equal(got.positions, alone.positions) and got.delta == alone.delta
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_triton_vision_tower_gives_the_torch_backends_page_embeddings(tiny_model_dir, synth_pages):
+    """Two pages in one vision call on the triton backend: every block's attention is the kernel
+    module (its numerics: the next test) and encode gives the torch backend's embeddings, within
+    roundings, and positions. The tiny tower's attention is near uniform, so this checks the wiring."""
+    from ocriaquant.model import load_model
+    from ocriaquant.model.processor import chat_text
+    from ocriaquant.runtime.config import RuntimeConfig
+    from ocriaquant.runtime.layers.vision import VisionAttention
+    from ocriaquant.runtime.model_runner import ModelRunner
+
+    _, proc = load_model(tiny_model_dir, dtype="fp32")
+    encs = [dict(proc(images=[p.image], text=[chat_text(proc, p.prompt)], return_tensors="pt"))
+            for p in load_pages(synth_pages).pages[:2]]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = {}
+    for backend in ("torch", "triton"):
+        rt = ModelRunner(tiny_model_dir, RuntimeConfig(backend=backend, device=dev, max_slots=2, max_len=512,
+                                                      dtype=torch.bfloat16))
+        kernel = [isinstance(b.attn, VisionAttention) for b in rt.model.visual.blocks]
+        assert all(kernel) if backend == "triton" else not any(kernel)
+        got[backend] = rt.encode(encs)
+    for a, b in zip(got["torch"], got["triton"]):
+        assert float((b.embeds.float() - a.embeds.float()).norm() / a.embeds.float().norm()) < 1e-2
+        assert torch.equal(a.positions, b.positions)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_vision_attention_with_its_kernel_equals_transformers_module():
+    """The triton backend's vision attention (vision_rope, then SDPA per image) against transformers'
+    Qwen3_5VisionAttention on the same weights, two images in one call, weights large enough that
+    attention is far from uniform: the same output but for roundings; the images' bounds matter."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionAttention
+
+    from ocriaquant.model import tiny_config
+    from ocriaquant.runtime.layers.vision import VisionAttention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = tiny_config().vision_config
+    cfg.hidden_size, cfg.num_heads, cfg._attn_implementation = 64, 2, "sdpa"
+    torch.manual_seed(4)
+    hf = Qwen3_5VisionAttention(cfg)
+    with torch.no_grad():
+        hf.qkv.weight.normal_(0, 0.4)
+    hf = hf.to(dev, torch.bfloat16)
+    ours = VisionAttention(hf)
+    x = torch.randn(64, 64, device=dev).to(torch.bfloat16)
+    theta = torch.rand(64, 16, device=dev) * 20
+    rope = (torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1))
+    bounds = torch.tensor([0, 40, 64], dtype=torch.int32)
+    with torch.no_grad():
+        want = hf(x, cu_seqlens=bounds, position_embeddings=rope).float()
+        got = ours(x, cu_seqlens=bounds, position_embeddings=rope).float()
+        one = ours(x, cu_seqlens=torch.tensor([0, 64], dtype=torch.int32), position_embeddings=rope).float()
+    err = lambda a: float((a - want).norm() / want.norm())  # noqa: E731
+    assert err(got) < 0.01 < err(one)
+
+
 @pytest.mark.parametrize("which", ["bf16", "mixed"])
 def test_runtime_greedy_tokens_equal_transformers(which, request):
     """Four held-out pages with different token limits, two slots: pages join as others

@@ -236,10 +236,12 @@ def test_candidate_in_memory_holds_what_export_writes(mixed_checkpoint):
 
 def test_vision_tower_runs_once_per_page_across_candidates(tiny_model_dir, synth_pages):
     """The vision memo hands a held-out page's features to the next candidate only for the very
-    same patches, whatever pages they are batched with; changed patches go through the tower."""
+    same patches, whatever pages they are batched with; changed patches go through the tower, with
+    the bounds of the images it gets."""
     from ocriaquant.data import load_pages
     from ocriaquant.model import discover_groups, load_config, meta_model
     from ocriaquant.model.processor import load_processor
+    from ocriaquant.runtime.models.qwen3_5 import vision_cu_seqlens
     from ocriaquant.search import Judge, _VisionOnce
 
     config = load_config(tiny_model_dir)
@@ -261,9 +263,10 @@ def test_vision_tower_runs_once_per_page_across_candidates(tiny_model_dir, synth
     pix = [e["pixel_values"] for e in judge.encs]
     grid = [e["image_grid_thw"] for e in judge.encs]
 
-    def run(idx, pixels=None):
-        return memo(torch.cat(pixels or [pix[i] for i in idx]), grid_thw=torch.cat([grid[i] for i in idx]),
-                    return_dict=True)
+    def run(idx, pixels=None):  # with the images' bounds, as the runtime calls the tower
+        g = torch.cat([grid[i] for i in idx])
+        return memo(torch.cat(pixels or [pix[i] for i in idx]), grid_thw=g, return_dict=True,
+                    cu_seqlens=vision_cu_seqlens(g))
 
     with torch.no_grad():
         first = run([0, 1]).pooler_output

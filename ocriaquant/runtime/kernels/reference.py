@@ -120,6 +120,21 @@ def gated_rmsnorm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return (h * F.silu(gate.float())).to(dtype)
 
 
+def vision_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int):
+    """transformers' vision attention up to SDPA: qkv [S, 3·H·D] -> q, k, v [1, H, S, D], q and k
+    rotated in fp32 (x·cos + rotate_half(x)·sin, apply_rotary_pos_emb_vision) and rounded once."""
+    S = qkv.shape[0]
+    q, k, v = qkv.reshape(S, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = cos[:, None].float(), sin[:, None].float()
+
+    def rotate(x):
+        x = x.float()
+        x1, x2 = x.chunk(2, -1)
+        return (x * cos + torch.cat((-x2, x1), -1) * sin).to(qkv.dtype)
+
+    return tuple(t.transpose(0, 1)[None].contiguous() for t in (rotate(q), rotate(k), v))
+
+
 def depthwise_causal_conv_silu(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[.., C, kernel] windows · [C, kernel] weights -> silu(conv) in the input dtype: the sum in
     fp32, rounded, then SiLU. The same sum F.conv1d computes, written out: on the CPU a depthwise

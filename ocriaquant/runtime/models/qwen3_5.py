@@ -13,6 +13,7 @@ from torch import nn
 from ...errors import OcriaError
 from ..config import Kernels
 from ..layers import MLP, Attention, Chunk, GatedDeltaNet, QuantLinear, RMSNorm, Step
+from ..layers.vision import VisionAttention
 from ..load import TEXT, read_linear
 
 GDN_LINEARS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
@@ -110,10 +111,16 @@ class Qwen3_5(nn.Module):
             self.lm_head = QuantLinear("bf16", self.embed.weight, dtype=dtype, kernels=kernels)
         self.rotary = Qwen3_5TextRotaryEmbedding(tc)
         self.visual = Qwen3_5VisionModel._from_config(config.vision_config, dtype=dtype)
+        # transformers' SDPA path splits every layer's attention at the images' bounds with .tolist(),
+        # a host sync a layer where they live on the GPU: encode hands them over from the host
+        self._host_bounds = "flash" not in str(self.visual.config._attn_implementation)
         vis = {k[len("model.visual."):]: store.get(k) for k in store.where if k.startswith("model.visual.")}
         missing, _ = self.visual.load_state_dict(vis, strict=False)
         if missing:
             raise OcriaError(f"{label}: vision tower tensors missing: {', '.join(sorted(missing)[:5])}")
+        if kernels and self._host_bounds and dtype == torch.bfloat16:  # rope + SDPA's layout: one launch a layer
+            for block in self.visual.blocks:
+                block.attn = VisionAttention(block.attn)
         self.rope_index = _RopeIndex(config)
 
         # With kernels, norms whose Linears all read FP8 or all NVFP4 (W4A16) write their output in the
@@ -171,11 +178,13 @@ class Qwen3_5(nn.Module):
         if with_img:
             grid_host = torch.cat([encs[i]["image_grid_thw"] for i in with_img])
             grid = grid_host.to(device)
-            pixels = torch.cat([encs[i]["pixel_values"] for i in with_img]).to(device, self.dtype)
-            # the images' boundaries from the host's grid: transformers' SDPA path splits every layer's
-            # attention at them with .tolist(), a host sync a layer when they live on the GPU
-            bounds = {} if "flash" in str(self.visual.config._attn_implementation) else \
-                {"cu_seqlens": vision_cu_seqlens(grid_host)}
+            parts = [encs[i]["pixel_values"] for i in with_img]
+            pixels = torch.empty(sum(len(p) for p in parts), parts[0].shape[1], device=device, dtype=self.dtype)
+            row = 0
+            for p in parts:  # each page straight into its rows: no host-side cat of ~50 MB a page
+                pixels[row:row + len(p)].copy_(p, non_blocking=True)
+                row += len(p)
+            bounds = {"cu_seqlens": vision_cu_seqlens(grid_host)} if self._host_bounds else {}
             img = self.visual(pixels, grid_thw=grid, return_dict=True, **bounds).pooler_output
             merge = self.config.vision_config.spatial_merge_size ** 2
             sizes = [int(encs[i]["image_grid_thw"].prod(-1).sum()) // merge for i in with_img]

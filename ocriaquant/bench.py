@@ -337,10 +337,10 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
         label = str(resolve_model_dir(checkpoint))
         processor, source = load_processor(resolve_model_dir(checkpoint)), None
         hf = load_model(checkpoint, "bf16", device)[0] if baseline else None
-    from .model.processor import chat_text
+    from .model.processor import encode_page
 
-    def encode(page):
-        return dict(processor(images=[page.image], text=[chat_text(processor, page.prompt)], return_tensors="pt"))
+    def encode(page, pixel_dtype=None):  # with the runtime's dtype, as Engine.encode: BF16 pixels to the GPU
+        return encode_page(processor, page, pixel_dtype)
 
     prompt_len = encode(page_list[0])["input_ids"].shape[1]
     max_len = max(prompt_len + out_tokens, context + (steps + 5) * (o.spec + 1) + 8) + 8  # spec rows grow k+1 a step
@@ -391,7 +391,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
     engine = Engine(runner=rt, processor=processor, prefill_budget=o.prefill_budget or PREFILL_BUDGET)
     # with --spec, pages are served both ways on the same runner: plain decoding first, the comparison
     plain = Engine(runner=rt, processor=processor, prefill_budget=engine.prefill_budget, spec=0) if o.spec else None
-    encs = [encode(p) for p in page_list]
+    encs = [encode(p, rt.model.dtype) for p in page_list]
     report["prefill_budget"] = engine.prefill_budget
     if concurrency or o.slo_p90:
         # Untimed: pages through the engine compile the vision encoder's and prefill's kernels,

@@ -172,12 +172,12 @@ class Qwen3_5(nn.Module):
         with the image features in place, M-RoPE positions and delta. The pages' patches go
         through the vision tower in one call (its attention stays within each image)."""
         device = self.embed.weight.device
-        ids = [e["input_ids"][0].to(device) for e in encs]
+        ids = [e["input_ids"][0].to(device, non_blocking=True) for e in encs]
         with_img = [i for i, e in enumerate(encs) if "pixel_values" in e]
         feats = {}
         if with_img:
             grid_host = torch.cat([encs[i]["image_grid_thw"] for i in with_img])
-            grid = grid_host.to(device)
+            grid = grid_host.to(device, non_blocking=True)
             parts = [encs[i]["pixel_values"] for i in with_img]
             pixels = torch.empty(sum(len(p) for p in parts), parts[0].shape[1], device=device, dtype=self.dtype)
             row = 0
@@ -192,14 +192,15 @@ class Qwen3_5(nn.Module):
         prompts = []
         for i, (enc, tok) in enumerate(zip(encs, ids)):
             x = self.embed(tok)
-            if i in feats:
-                grid = enc["image_grid_thw"].to(device)
-                mask = tok == self.config.image_token_id
-                if int(mask.sum()) != feats[i].shape[0]:
-                    raise OcriaError(f"{int(mask.sum())} image tokens but {feats[i].shape[0]} image features")
-                x[mask] = feats[i].to(x.dtype)
-                pos, delta = self.rope_index(tok[None], enc["mm_token_type_ids"].to(device), grid)
-                pos, delta = pos[:, 0], int(delta.reshape(-1)[0])
+            if i in feats:  # the image rows and M-RoPE positions worked out on the host: no sync on the tower
+                tok_host = enc["input_ids"][0].cpu()
+                rows = (tok_host == self.config.image_token_id).nonzero().squeeze(1)
+                if len(rows) != feats[i].shape[0]:
+                    raise OcriaError(f"{len(rows)} image tokens but {feats[i].shape[0]} image features")
+                x.index_copy_(0, rows.to(device, non_blocking=True), feats[i].to(x.dtype))
+                pos, delta = self.rope_index(tok_host[None], enc["mm_token_type_ids"].cpu(),
+                                             enc["image_grid_thw"].cpu())
+                pos, delta = pos[:, 0].to(device, non_blocking=True), int(delta.reshape(-1)[0])
                 if delta > 0 and self.kernels:  # image positions take at most one per token: delta <= 0
                     raise OcriaError(f"an M-RoPE delta of {delta} > 0: decode positions would pass the runtime's "
                                      f"rope tables ({self._rope_cos.shape[0]} positions); this is not a Qwen3.5 "

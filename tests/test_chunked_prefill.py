@@ -62,8 +62,8 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(which, request):
 
 def test_a_pass_leaves_a_sliver_of_the_budget_for_the_next():
     """Two 4,084-token pages under a 4,096-token budget: the second page waits for the next pass
-    rather than prefill 12 tokens (a chunk launches each GDN layer's conv and delta rule whatever
-    its size); a chunk that ends its prompt, or takes min_chunk, still joins."""
+    rather than prefill 12 tokens (a chunk launches its own conv and attention in every layer
+    whatever its size); a chunk that ends its prompt, or takes min_chunk, still joins."""
     from ocriaquant.runtime.scheduler import Scheduler
 
     def plan(remaining: list[int], budget=4096, min_chunk=256):
@@ -77,6 +77,19 @@ def test_a_pass_leaves_a_sliver_of_the_budget_for_the_next():
     assert plan([3000, 4084]) == [(1084, 3000), (0, 1096)]
     assert plan([4084, 10]) == [(0, 4084), (4074, 10)]  # ends its prompt
     assert plan([4084, 4084, 4084], budget=100) == [(0, 100)]  # the first chunk whatever the budget
+
+
+def test_a_pass_of_several_chunks_goes_to_fla_core_as_one_varlen_call():
+    """The host-made varlen inputs of a pass (fla-core's GPU path takes all its chunks in one call):
+    sequence bounds, one (sequence, chunk) index per 64-row chunk as fla-core counts them, the
+    slots the final states go back to; made once per layout."""
+    from ocriaquant.runtime.layers.gdn import FLA_CHUNK, varlen_inputs
+
+    layout = ((70, 0), (50, 2), (9, 1))
+    cu, cu_host, indices, slots = varlen_inputs(layout, torch.device("cpu"))
+    assert FLA_CHUNK == 64 and cu.tolist() == cu_host.tolist() == [0, 70, 120, 129]
+    assert indices.tolist() == [[0, 0], [0, 1], [1, 0], [2, 0]] and slots.tolist() == [0, 2, 1]
+    assert varlen_inputs(layout, torch.device("cpu"))[2] is indices
 
 
 def test_prefill_budget_is_checked():

@@ -854,6 +854,11 @@ def test_conv_silu_matches_reference_over_rows_as_they_lie(n, c, start):
     assert (got != reference.conv_silu_ref(x, history, weight)).float().mean() <= 0.01  # the torch ops' values
     if start:  # the history is read: the first rows differ from a prompt's first chunk
         assert not torch.equal(got[:k - 1], conv_silu(x, None, weight)[:k - 1])
+    m = min(3, n)
+    both = torch.zeros(m + n, c, dtype=torch.bfloat16, device=DEV)  # into a pass's buffer, beside another chunk
+    conv_silu(x, history, weight, out=both[m:])
+    conv_silu(x[:m], None, weight, out=both[:m])
+    assert torch.equal(both[m:], got) and torch.equal(both[:m], conv_silu(x[:m], None, weight))
 
 
 @pytest.mark.parametrize("n,hv,v", [(37, 4, 32), (5, 3, 48)])

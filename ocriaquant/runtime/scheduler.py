@@ -63,9 +63,9 @@ class Scheduler:
     def prefill_plan(self, budget: int, min_chunk: int = 1) -> list[tuple[Sequence, Chunk]]:
         """This step's prefill chunks: admitted sequences in order, each taking what is left of
         the budget (at least one chunk per step, however small the budget). A chunk after the
-        first takes at least min_chunk tokens or the rest of its prompt: every chunk launches its
-        GDN layers' conv and delta rule once, whatever its size, so a sliver left by the budget
-        waits for the next pass."""
+        first takes at least min_chunk tokens or the rest of its prompt: every chunk launches its own
+        conv and attention in every layer, whatever its size, so a sliver left by the budget waits
+        for the next pass."""
         plan = []
         for seq in self.running:
             if budget <= 0:

@@ -45,9 +45,10 @@ def _conv_silu_kernel(x_ptr, h_ptr, w_ptr, y_ptr, N, C, stride_x, stride_h, K: t
 
 
 def conv_silu(x: torch.Tensor, history: torch.Tensor | None, weight: torch.Tensor, block_t: int = 32,
-              block_c: int = 128) -> torch.Tensor:
+              block_c: int = 128, out: torch.Tensor | None = None) -> torch.Tensor:
     """x bf16 [n, C] (rows contiguous, any row stride), history [C, K-1] (the slot's conv state; None:
-    zeros), weight [C, K] -> silu(causal depthwise conv) bf16 [n, C], contiguous."""
+    zeros), weight [C, K] -> silu(causal depthwise conv) bf16 [n, C], contiguous (`out`'s rows when
+    given: a pass's chunks written side by side)."""
     n, c = x.shape
     k = weight.shape[-1]
     if x.stride(-1) != 1 or weight.shape[0] != c or (history is not None and history.shape != (c, k - 1)):
@@ -55,7 +56,9 @@ def conv_silu(x: torch.Tensor, history: torch.Tensor | None, weight: torch.Tenso
                          f"{None if history is None else tuple(history.shape)} do not fit [n, C], [C, K], [C, K-1]")
     weight = weight.contiguous()
     h = weight if history is None else history.contiguous()  # any pointer when there is none: never read
-    y = torch.empty(n, c, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, c, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != (n, c) or not y.is_contiguous():
+        raise ValueError(f"conv_silu: out {tuple(y.shape)} must be a contiguous [{n}, {c}]")
     grid = (triton.cdiv(n, block_t), triton.cdiv(c, block_c))
     _conv_silu_kernel[grid](x, h, weight, y, n, c, x.stride(0), h.stride(0), K=k, HAS_H=history is not None,
                             BT=block_t, BC=block_c, INTERPRET=interpreted(), num_warps=4)

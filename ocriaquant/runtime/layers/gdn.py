@@ -7,6 +7,9 @@ transposed on the way in and out. Conv state: [slots, C, kernel - 1]."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +18,27 @@ from ..kernels.reference import conv_silu_ref, depthwise_causal_conv_silu
 from .linear import FusedLinear, QuantLinear
 from .norm import gated_rmsnorm
 from .step import Chunk, Step
+
+
+FLA_CHUNK = 64  # fla-core's chunk of the delta rule, which varlen_inputs' chunk indices count in
+
+
+@functools.lru_cache(maxsize=32)
+def varlen_inputs(layout: tuple[tuple[int, int], ...], device: torch.device):
+    """A pass's chunks ((rows, slot) each) as fla-core's varlen inputs, made on the host and copied
+    from pinned memory without a sync, once per layout (every GDN layer of a pass, and passes
+    alike, share them): cu_seqlens on the device and the host, the (sequence, chunk) index of
+    each FLA_CHUNK-row chunk (fla would build it on the host and copy it with a sync a layer), and
+    the slots the final states go back to."""
+    ns = [n for n, _ in layout]
+    cu = torch.tensor([0] + list(itertools.accumulate(ns)), dtype=torch.long)
+    indices = torch.tensor([(i, j) for i, n in enumerate(ns) for j in range(-(-n // FLA_CHUNK))], dtype=torch.long)
+    slots = torch.tensor([s for _, s in layout], dtype=torch.long)
+
+    def put(t):
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+    return put(cu), cu, put(indices), put(slots)
 
 
 def chunk_rule(gpu_kernels: bool):
@@ -126,43 +150,63 @@ class GatedDeltaNet(nn.Module):
         FP8 projections' input codes, made by the norm before (QuantLinear.forward_w8a8)."""
         p = self._proj(x, x_q)
         rule = chunk_rule(self.kernels is not None and x.is_cuda)
-        fla = rule.__module__.startswith("fla")
+        if rule.__module__.startswith("fla"):
+            return self._prefill_fla(rule, p, x, state, chunks)
         cores, row = [], 0
         for c in chunks:
             rows = slice(row, row + c.n)
             row += c.n
             mixed = self._conv_rows(p["in_proj_qkv"][rows], state["conv"], c)  # [n, C]
-            if fla:  # fla-core >= 0.6: q, k at their key heads (GVA), the decay made in its cumsum kernel from
-                # a, A_log and dt_bias, the state V-first as ours: a dozen small launches a layer fewer
-                q, k, v = self._heads(mixed)
-                initial = state["ssm"][c.slot][None] if c.start else None
-                core, final = rule(q[None], k[None], v[None], g=p["in_proj_a"][rows][None],
-                                   beta=p["in_proj_b"][rows].sigmoid()[None], initial_state=initial,
-                                   output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                   A_log=self.A_log, dt_bias=self.dt_bias, state_v_first=True)
-                state["ssm"][c.slot].copy_(final[0])
-            else:
-                q, k, v, g, beta = self._qkv_gates({n: t[rows] for n, t in p.items()}, mixed)
-                initial = state["ssm"][c.slot].transpose(-1, -2)[None].contiguous() if c.start else None
-                core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
-                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
-                state["ssm"][c.slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
+            q, k, v, g, beta = self._qkv_gates({n: t[rows] for n, t in p.items()}, mixed)
+            initial = state["ssm"][c.slot].transpose(-1, -2)[None].contiguous() if c.start else None
+            core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
+                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+            state["ssm"][c.slot].copy_(final[0].transpose(-1, -2))  # [HV, K, V] -> our [HV, V, K]
             cores.append(core[0].to(x.dtype))
         return self._out(cores[0] if len(cores) == 1 else torch.cat(cores), x, p)
 
-    def _conv_rows(self, x: torch.Tensor, conv: torch.Tensor, c: Chunk) -> torch.Tensor:
+    def _prefill_fla(self, rule, p: dict, x: torch.Tensor, state: dict, chunks: list[Chunk]) -> torch.Tensor:
+        """prefill through fla-core >= 0.6, every chunk of the pass in one call (varlen, its indices made
+        on the host: varlen_inputs): q, k at their key heads (GVA), the decay made in its cumsum kernel
+        from a, A_log and dt_bias, the state V-first as ours."""
+        mixed = torch.empty(x.shape[0], self.conv_dim, dtype=x.dtype, device=x.device)
+        row = 0
+        for c in chunks:  # the conv per chunk (its own history), side by side in one buffer
+            self._conv_rows(p["in_proj_qkv"][row:row + c.n], state["conv"], c, out=mixed[row:row + c.n])
+            row += c.n
+        q, k, v = self._heads(mixed)
+        initial = None
+        if any(c.start for c in chunks):  # then every chunk starts from a state: zero for a prompt's first
+            zero = state["ssm"].new_zeros(state["ssm"].shape[1:])
+            initial = torch.stack([state["ssm"][c.slot] if c.start else zero for c in chunks])
+        varlen = {}
+        if len(chunks) > 1:
+            cu, cu_cpu, indices, slots = varlen_inputs(tuple((c.n, c.slot) for c in chunks), x.device)
+            varlen = {"cu_seqlens": cu, "cu_seqlens_cpu": cu_cpu, "chunk_indices": indices}
+        core, final = rule(q[None], k[None], v[None], g=p["in_proj_a"][None], beta=p["in_proj_b"].sigmoid()[None],
+                           initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, state_v_first=True,
+                           chunk_size=FLA_CHUNK, **varlen)
+        if varlen:
+            state["ssm"].index_copy_(0, slots, final)
+        else:
+            state["ssm"][chunks[0].slot].copy_(final[0])
+        return self._out(core[0], x, p)
+
+    def _conv_rows(self, x: torch.Tensor, conv: torch.Tensor, c: Chunk, out: torch.Tensor | None = None):
         """silu(depthwise causal conv) of a chunk's rows x [n, C], continuing from its slot's conv
         state (its last kernel - 1 inputs) unless the chunk starts the prompt; the state then holds
-        the chunk's last inputs. With kernels one conv_silu launch on the rows as they lie; else its
-        torch reference."""
+        the chunk's last inputs. With kernels one conv_silu launch on the rows as they lie (into
+        `out` when given); else its torch reference."""
         w = self.kernel - 1
         history = conv[c.slot] if c.start else None
         if self.kernels is not None:
             from ..kernels.conv_silu import conv_silu
 
-            y = conv_silu(x, history, self.conv_weight)
+            y = conv_silu(x, history, self.conv_weight, out=out)
         else:
             y = conv_silu_ref(x, history, self.conv_weight)
+            y = y if out is None else out.copy_(y)
         past = history if history is not None else x.new_zeros(x.shape[1], w)  # read above before it moves on
         conv[c.slot].copy_(torch.cat([past, x[-w:].T], dim=1)[:, -w:])
         return y

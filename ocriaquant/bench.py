@@ -339,10 +339,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
         hf = load_model(checkpoint, "bf16", device)[0] if baseline else None
     from .model.processor import encode_page
 
-    def encode(page, pixel_dtype=None):  # with the runtime's dtype, as Engine.encode: BF16 pixels to the GPU
-        return encode_page(processor, page, pixel_dtype)
-
-    prompt_len = encode(page_list[0])["input_ids"].shape[1]
+    prompt_len = encode_page(processor, page_list[0])["input_ids"].shape[1]
     max_len = max(prompt_len + out_tokens, context + (steps + 5) * (o.spec + 1) + 8) + 8  # spec rows grow k+1 a step
     slots = max(batches + concurrency + ([SLO_MAX_CONCURRENCY] if o.slo_p90 else []))
     log(f"runtime: backend {backend}, {slots} slots, max_len {max_len} (page prompt {prompt_len} tokens)")
@@ -391,7 +388,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
     engine = Engine(runner=rt, processor=processor, prefill_budget=o.prefill_budget or PREFILL_BUDGET)
     # with --spec, pages are served both ways on the same runner: plain decoding first, the comparison
     plain = Engine(runner=rt, processor=processor, prefill_budget=engine.prefill_budget, spec=0) if o.spec else None
-    encs = [encode(p, rt.model.dtype) for p in page_list]
+    encs = [encode_page(processor, p, rt.model.dtype) for p in page_list]  # as Engine.encode: BF16 pixels
     report["prefill_budget"] = engine.prefill_budget
     if concurrency or o.slo_p90:
         # Untimed: pages through the engine compile the vision encoder's and prefill's kernels,

@@ -10,6 +10,10 @@ import torch
 from ocriaquant.data import BUNDLED_PAGES, load_pages, split_pages
 from ocriaquant.model import load_config
 
+# the triton backend's kernels run on a GPU, or on the CPU under Triton's interpreter (the README's test command)
+needs_triton = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+
 
 def test_prefill_then_decode_equals_longer_prefill(tiny_model_dir):
     """Prefill N tokens then decode 1 ≡ prefill N+1: catches a transposed GDN state ([V, K]
@@ -126,8 +130,7 @@ def test_pages_of_two_sizes_encode_together_as_each_alone(tiny_model_dir, synth_
         assert torch.equal(got.positions, alone.positions) and got.delta == alone.delta
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_triton_vision_tower_gives_the_torch_backends_page_embeddings(tiny_model_dir, synth_pages):
     """Two pages in one vision call on the triton backend: every block's attention is the kernel
     module (its numerics: the next test) and encode gives the torch backend's embeddings, within
@@ -154,8 +157,7 @@ def test_triton_vision_tower_gives_the_torch_backends_page_embeddings(tiny_model
         assert torch.equal(a.positions, b.positions)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_vision_attention_with_its_kernel_equals_transformers_module():
     """The triton backend's vision attention (vision_rope, then SDPA per image) against transformers'
     Qwen3_5VisionAttention on the same weights, two images in one call, weights large enough that
@@ -263,8 +265,7 @@ def test_runtime_errors_name_the_problem(tiny_model_dir, tmp_path):
         ModelRunner(broken)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_w4a4_candidate_decodes_through_cuda_graphs_as_the_torch_backend(tiny_model_dir):
     """A b200 (W4A4) candidate as search builds it in memory: its activation rounding runs inside the
     decode step, so it must capture into a CUDA graph (no host copy) and give the torch backend's
@@ -314,8 +315,7 @@ def _mixed_checkpoint(tiny_model_dir, synth_pages, tmp_path):
     return export(tmp_path / "plan.json", tmp_path / "ckpt", pages=synth_pages, max_pages=1, verify_pages=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_triton_prefill_above_the_gemv_rows_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path, monkeypatch):
     """A prefill of more rows than the GEMVs take, two chunks in one pass (one continuing its slot): the
     triton backend's norms fused with the residual adds, writing the FP8 projections' codes (add_rmsnorm),
@@ -347,8 +347,7 @@ def test_triton_prefill_above_the_gemv_rows_matches_torch_backend(tiny_model_dir
     assert float((sk - st).norm() / st.norm()) <= 2e-2 and float((ck - ct).norm() / ct.norm()) <= 2e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_triton_backend_decode_matches_torch_backend(tiny_model_dir, synth_pages, tmp_path):
     """Decode steps through gdn_decode, the GEMVs and silu_mul_quant give the torch backend's
     logits and GDN state on a mixed FP8 / NVFP4 checkpoint: on the GPU when there is one, else on
@@ -537,8 +536,7 @@ def test_runtime_config_is_checked_and_pdl_has_one_switch(monkeypatch):
         RuntimeConfig(max_slots=0)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the GEMV kernels need a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_linears_launch_with_the_tiles_and_pdl_of_their_config(monkeypatch):
     """A Linear built for the triton backend launches its GEMV with its table's tile for that
     batch, and the config's PDL setting."""
@@ -565,8 +563,7 @@ def test_linears_launch_with_the_tiles_and_pdl_of_their_config(monkeypatch):
     assert seen[1]["split_k"] == 2 and seen[1]["num_stages"] == 2
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the GEMV kernels need a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_nvfp4_above_batch_1_runs_the_tensor_core_gemv_where_the_table_has_a_tile(monkeypatch):
     """An NVFP4 Linear above batch 1 reads its packed weight through gemv_nvfp4's tensor-core form
     at the batches its table has a tile for, and runs cuBLAS on the dequantized weight at the others:
@@ -614,8 +611,7 @@ print(rt.greedy_step([8], [0], [3], [0]).get(), rt.greedy_step(None, [0], [4], [
     assert res.returncode == 0, res.stderr[-2000:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@needs_triton
 def test_fp8_prefill_rows_are_the_w8a8_product_of_the_checkpoint():
     """Above the GEMVs' 64 rows, an FP8 Linear of the triton backend multiplies E4M3 activations
     (quantized per token, as the checkpoint's dynamic scheme does) by the E4M3 weight with both

@@ -72,9 +72,14 @@ PACK_PART = 15 * 2**20
 # Pages
 
 
-def _render(job: tuple[int, int, DocStyle]) -> tuple[int, int, np.ndarray, str]:
+def _render(job: tuple[int, int, DocStyle]) -> tuple[int, int, np.ndarray | None, str]:
+    """(bucket, seed, CHW uint8 image, markdown), or (bucket, seed, None, the error) where the generator
+    fails on this seed: one bad page must not end a GPU run (the pool skips it and the log names it)."""
     bucket, seed, style = job
-    page = make_doc_page(seed, style)
+    try:
+        page = make_doc_page(seed, style)
+    except Exception as e:  # noqa: BLE001 - any generator bug; re-raised for held-out pages
+        return bucket, seed, None, f"{type(e).__name__}: {e}"
     return bucket, seed, np.ascontiguousarray(np.asarray(page.image, dtype=np.uint8).transpose(2, 0, 1)), page.markdown
 
 
@@ -115,6 +120,7 @@ class PagePool:
         self.futures: deque = deque()
         self.rendered = 0
         self.dropped = 0
+        self.failed: list[tuple[int, str]] = []  # (seed, error) of pages the generator failed on
         self.tok = None
         self.text_len: list[int] = []
         self.end_id = None
@@ -125,10 +131,15 @@ class PagePool:
             self.next_index += 1
 
     def collect(self, block: bool = False, limit: int | None = None) -> list[tuple[int, int, np.ndarray, str]]:
-        """Finished pages in stream order (stops at the first unfinished one unless block)."""
+        """Finished pages in stream order (stops at the first unfinished one unless block); pages
+        the generator failed on are left out and kept in `failed`."""
         out = []
         while self.futures and (block or self.futures[0].done()) and (limit is None or len(out) < limit):
-            out.append(self.futures.popleft().result())
+            b, seed, img, md = self.futures.popleft().result()
+            if img is None:
+                self.failed.append((seed, md))
+            else:
+                out.append((b, seed, img, md))
         return out
 
     def set_tokenizer(self, tok, end_id: int, text_len: list[int]) -> None:
@@ -174,6 +185,10 @@ def held_out_pages(n: int, style: DocStyle, executor) -> list[Page]:
     out = []
     for _, seed, img, md in executor.map(_render, jobs):
         from PIL import Image
+
+        if img is None:
+            raise SystemExit(f"held-out page {seed}: the document generator failed ({md}); fix "
+                             "ocriaquant/data/docgen.py before training")
 
         out.append(Page(image=Image.fromarray(img.transpose(1, 2, 0)), source=Path(f"doc-{seed:04d}.png"),
                         reference=md))
@@ -631,7 +646,9 @@ def main() -> None:
                 "steps": step, "trained_s": trained_s, "wall_s": wall(), "wall_min": wall() / 60,
                 "train_min": trained_s / 60, "next_index": pool.next_index, "pages_seen": seen,
                 "pages_rendered": pool.rendered + prev_rendered,
-                "pages_dropped": pool.dropped + (prev or {}).get("pages_dropped", 0), "evals": evals, "runs": runs,
+                "pages_dropped": pool.dropped + (prev or {}).get("pages_dropped", 0),
+                "pages_failed": (prev or {}).get("pages_failed", []) + [list(f) for f in pool.failed][:20],
+                "evals": evals, "runs": runs,
                 "gdn": gdn_name, "graphs": graphs is not None, "warm_from": warm_from,
                 "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
                 "tokenizer_files": {p.name: p.read_text() for p in tok_dir.iterdir() if p.is_file()}}
@@ -695,7 +712,7 @@ def main() -> None:
                  "pages_per_s": round((seen - seen_last) / (now - t_last), 1),
                  "rendered": pool.rendered + prev_rendered,
                  "fresh": round((pool.rendered + prev_rendered) / max(1, seen), 3),
-                 "wall_min": round(wall() / 60, 2)})
+                 "wall_min": round(wall() / 60, 2)} | ({"render_failed": len(pool.failed)} if pool.failed else {}))
             t_last, step_last, seen_last = now, step, seen
             recent = recent[-args.log_every:]
         if step % args.save_every == 0:

@@ -276,8 +276,8 @@ class TextSource:
                 words.append(rng.choice(("of", "and", "for", "in", "to", "&", "on")))
             w = self.content_word()
             words.append(w[0].upper() + w[1:] if rng.random() < 0.85 else w)
-        if words[-1] in ("of", "and", "for", "in", "to", "&", "on"):
-            words.pop()
+        if len(words) > 1 and words[-1] in ("of", "and", "for", "in", "to", "&", "on"):
+            words.pop()  # a title never ends on a connector; a one-word title may be one ("On")
         words[0] = words[0][0].upper() + words[0][1:]
         text = " ".join(words)
         r = rng.random()
@@ -687,6 +687,10 @@ def _table_rows(src: TextSource, max_cols: int) -> tuple[list[list[str]], list[b
     return rows, numeric, bold
 
 
+class NothingFits(ValueError):
+    """A draw whose first blocks are all too wide or too tall for its page (large type on a small page)."""
+
+
 def _layout_page(seed: int, style: DocStyle, width: int, height: int, rng: random.Random) -> tuple[_Canvas, str]:
     src = TextSource(rng)
     lay = _Layout(rng, style, width, height)
@@ -764,7 +768,7 @@ def _layout_page(seed: int, style: DocStyle, width: int, height: int, rng: rando
         add(md)
         prev = kind
     if not blocks:
-        raise ValueError(f"seed {seed}: nothing fits a {width}x{height} page at body size {lay.body}")
+        raise NothingFits(f"seed {seed}: nothing fits a {width}x{height} page at body size {lay.body}")
     return cv, "\n\n".join(blocks)
 
 
@@ -800,13 +804,19 @@ def _scan(img: Image.Image, rng: random.Random, scan: bool) -> Image.Image:
 def make_doc_page(seed: int, style: DocStyle | None = None) -> DocPage:
     """Draw one document page. Same seed and style give the same image and markdown."""
     style = style or DOC_STYLE
-    rng = random.Random(f"doc-{seed}")
-    width, height = rng.choices(style.sizes, weights=style.size_weights)[0]
-    # Condensed or wide type without other fonts: lay the page out wider or narrower, then scale
-    # it to its size (the text's proportions change, the markdown does not).
-    stretch = rng.uniform(0.9, 1.1) if style.scan and rng.random() < 0.3 else 1.0
-    lay_w = int(round(width / stretch))
-    cv, md = _layout_page(seed, style, lay_w, height, rng)
+    for attempt in range(8):  # where nothing fits (~1 seed in 5,000 at 13-24 px): drawn again, deterministically
+        rng = random.Random(f"doc-{seed}" + (f"/{attempt}" if attempt else ""))
+        width, height = rng.choices(style.sizes, weights=style.size_weights)[0]
+        # Condensed or wide type without other fonts: lay the page out wider or narrower, then scale
+        # it to its size (the text's proportions change, the markdown does not).
+        stretch = rng.uniform(0.9, 1.1) if style.scan and rng.random() < 0.3 else 1.0
+        lay_w = int(round(width / stretch))
+        try:
+            cv, md = _layout_page(seed, style, lay_w, height, rng)
+            break
+        except NothingFits:
+            if attempt == 7:
+                raise
     img = cv.img if lay_w == width else cv.img.resize((width, height), Image.LANCZOS)
     return DocPage(image=_scan(img, rng, style.scan), markdown=md, seed=seed, drawn=tuple(cv.drawn))
 

@@ -634,3 +634,28 @@ def test_fp8_prefill_rows_are_the_w8a8_product_of_the_checkpoint():
     torch_path = QuantLinear("fp8", w_q, w_s)(x).double()
     assert float((torch_path - exact).norm() / exact.norm()) < 1e-2
     assert not torch.equal(got, QuantLinear("bf16", fp8.dequantize(w_q, w_s, torch.bfloat16))(x))  # not BF16
+
+
+def test_recurrent_step_is_transformers_recurrence_token_by_token():
+    """The torch path's GDN decode step (layers/gdn.recurrent_step: in place, in the cache's [V, K] state layout)
+    against transformers' torch_recurrent_gated_delta_rule ([K, V]) over three tokens: states equal to fp32
+    rounding, outputs to bf16's."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    from ocriaquant.runtime.layers.gdn import recurrent_step
+
+    g0 = torch.Generator().manual_seed(3)
+    B, HV, K, V = 3, 4, 16, 8
+    state = torch.randn(B, HV, V, K, generator=g0) * 0.1
+    state_tf = state.transpose(-1, -2).contiguous()
+    for _ in range(3):
+        q, k = (torch.randn(B, HV, K, generator=g0).to(torch.bfloat16) for _ in range(2))
+        v = torch.randn(B, HV, V, generator=g0).to(torch.bfloat16)
+        g, beta = -torch.rand(B, HV, generator=g0), torch.rand(B, HV, generator=g0)
+        out = recurrent_step(q, k, v, g, beta, state)
+        want, state_tf = torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None],
+                                                          beta=beta[:, None], initial_state=state_tf,
+                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(state, state_tf.transpose(-1, -2), rtol=1e-6, atol=1e-6)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want[:, 0].float(), rtol=2 ** -7, atol=1e-6)

@@ -104,7 +104,10 @@ class Attention(nn.Module):
         q = qk_norm_rope_ref(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
                              step.sin, state["k"], state["v"], step.slots, step.lengths)
         span = step.span
-        keys, vals = state["k"][step.slots, :, :span], state["v"][step.slots, :, :span]  # [B, kv, span, hd]
+        if step.in_order:  # the caches' own prefix, no copy
+            keys, vals = state["k"][:b, :, :span], state["v"][:b, :, :span]  # [B, kv, span, hd]
+        else:
+            keys, vals = (state[n][:, :, :span].index_select(0, step.slots) for n in ("k", "v"))
         visible = torch.arange(span, device=x.device)[None, :] <= step.lengths[:, None]
         o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=visible[:, None, None, :],
                                            enable_gqa=True)

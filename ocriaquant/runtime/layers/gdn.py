@@ -57,6 +57,22 @@ def chunk_rule(gpu_kernels: bool):
     return torch_chunk_gated_delta_rule
 
 
+def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule for B rows: q, k [B, HV, K], v [B, HV, V], g and beta [B, HV];
+    state [B, HV, V, K] fp32 (the cache's layout), advanced in place. The arithmetic of transformers'
+    torch_recurrent_gated_delta_rule at one token (fp32, q and k l2-normalized, q / sqrt(K)), without its
+    transposed state copies and fresh state buffers: on a CPU those were most of a decode step's GDN time.
+    Returns the output [B, HV, V] in q's dtype."""
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / q.shape[-1] ** 0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    state.mul_(g.float().exp()[..., None, None])
+    delta = (v - torch.einsum("bhvk,bhk->bhv", state, k)) * beta.float()[..., None]
+    state.add_(delta[..., None] * k[..., None, :])
+    return torch.einsum("bhvk,bhk->bhv", state, q).to(dtype)
+
+
 class GatedDeltaNet(nn.Module):
     """A GDN token mixer whose conv and recurrent states are rows of per-slot buffers. With
     kernels (the triton backend) its four input projections run as one weight stream when they
@@ -226,19 +242,18 @@ class GatedDeltaNet(nn.Module):
                            self.H, self.K, self.V, self.eps, quant=quant, pdl=self.kernels.pdl)
             o, o_q = (o, None) if quant is None else o
             return self.out_proj(o, o_q, partials)
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
-
-        slots = step.slots
-        window = torch.cat([state["conv"][slots], p["in_proj_qkv"][:, :, None]], dim=-1)  # [B, C, kernel]
-        state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())
+        slots, b = step.slots, x.shape[0]
+        conv = state["conv"][:b] if step.in_order else state["conv"].index_select(0, slots)
+        window = torch.cat([conv, p["in_proj_qkv"][:, :, None]], dim=-1)  # [B, C, kernel]
         mixed = depthwise_causal_conv_silu(window, self.conv_weight)
-        q, k, v, g, beta = self._qkv_gates(p, mixed)
-        s = state["ssm"][slots].transpose(-1, -2)  # [B, HV, K, V] as transformers keeps it
-        core, new = torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None],
-                                                     beta=beta[:, None], initial_state=s, output_final_state=True,
-                                                     use_qk_l2norm_in_kernel=True)
-        state["ssm"].index_copy_(0, slots, new.transpose(-1, -2).contiguous())
-        return self._out(core[:, 0], x, p)
+        ssm = state["ssm"][:b] if step.in_order else state["ssm"].index_select(0, slots)
+        core = recurrent_step(*self._qkv_gates(p, mixed), ssm)
+        if step.in_order:  # the slots' own rows, updated in place
+            conv.copy_(window[:, :, 1:])
+        else:
+            state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())
+            state["ssm"].index_copy_(0, slots, ssm)
+        return self._out(core, x, p)
 
     # --- speculative decoding (#55): verify T tokens per row, then commit each row's accepted prefix ---------
 

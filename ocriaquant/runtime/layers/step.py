@@ -17,6 +17,14 @@ class Step:
     slots32: torch.Tensor        # int32 copies, what the kernels take
     lengths32: torch.Tensor
     span: int = 0                # torch backend only: max(lengths) + 1 (a host sync)
+    in_order: bool = False       # torch backend only: row b holds slot b (in_order(slots))
+
+
+def in_order(slots: torch.Tensor) -> bool:
+    """Whether rows hold slots 0..B-1 in order, as a batch admitted at once does: the torch path then
+    reads and updates the caches' own prefix in place, with no gather or scatter (on a CPU those were
+    a third of a decode step). A host sync, which the torch path takes anyway (span)."""
+    return bool((slots == torch.arange(slots.shape[0], device=slots.device)).all())
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from torch import nn
 from ...errors import OcriaError
 from ..config import Kernels
 from ..layers import MLP, Attention, Chunk, GatedDeltaNet, QuantLinear, RMSNorm, Step
+from ..layers.step import in_order
 from ..layers.vision import VisionAttention
 from ..load import TEXT, read_linear
 
@@ -260,7 +261,7 @@ class Qwen3_5(nn.Module):
             from ..kernels.reference import step_inputs_ref
 
             x, *meta = step_inputs_ref(tokens, slots, lengths, deltas, self.embed.weight, self.rotary, self.dtype)
-        return x, Step(slots, lengths, *meta, span)
+        return x, Step(slots, lengths, *meta, span, in_order=not self.kernels and bool(span) and in_order(slots))
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,

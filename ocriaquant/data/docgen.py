@@ -804,7 +804,7 @@ def _scan(img: Image.Image, rng: random.Random, scan: bool) -> Image.Image:
 def make_doc_page(seed: int, style: DocStyle | None = None) -> DocPage:
     """Draw one document page. Same seed and style give the same image and markdown."""
     style = style or DOC_STYLE
-    for attempt in range(8):  # where nothing fits (~1 seed in 5,000 at 13-24 px): drawn again, deterministically
+    for attempt in range(8):  # where nothing fits (3 seeds in 20,000 at 13-24 px): drawn again, deterministically
         rng = random.Random(f"doc-{seed}" + (f"/{attempt}" if attempt else ""))
         width, height = rng.choices(style.sizes, weights=style.size_weights)[0]
         # Condensed or wide type without other fonts: lay the page out wider or narrower, then scale

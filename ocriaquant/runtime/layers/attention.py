@@ -9,7 +9,7 @@ from torch import nn
 
 from .linear import FusedLinear, QuantLinear
 from .norm import RMSNorm
-from .step import Chunk, Step
+from .step import Chunk, Step, slot_rows
 
 
 class Attention(nn.Module):
@@ -104,10 +104,7 @@ class Attention(nn.Module):
         q = qk_norm_rope_ref(qg[:, :, :hd], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, step.cos,
                              step.sin, state["k"], state["v"], step.slots, step.lengths)
         span = step.span
-        if step.in_order:  # the caches' own prefix, no copy
-            keys, vals = state["k"][:b, :, :span], state["v"][:b, :, :span]  # [B, kv, span, hd]
-        else:
-            keys, vals = (state[n][:, :, :span].index_select(0, step.slots) for n in ("k", "v"))
+        keys, vals = (slot_rows(state[n][:, :, :span], step) for n in ("k", "v"))  # [B, kv, span, hd]
         visible = torch.arange(span, device=x.device)[None, :] <= step.lengths[:, None]
         o = F.scaled_dot_product_attention(q[:, :, None], keys, vals, attn_mask=visible[:, None, None, :],
                                            enable_gqa=True)

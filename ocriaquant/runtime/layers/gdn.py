@@ -1,9 +1,10 @@
 """The gated delta net token mixer (Qwen3.5's linear attention), its state in per-slot buffers.
 
-The torch path calls transformers' own torch functions for the delta rule (chunked for prefill,
-recurrent for decode): the same math transformers runs, fed from and written back to our slot
-buffers. The recurrent state is fp32 [slots, HV, V, K]; transformers keeps [.., K, V], so it is
-transposed on the way in and out. Conv state: [slots, C, kernel - 1]."""
+The torch path calls transformers' own torch functions for the chunked delta rule (prefill, and
+verify's tokens) and runs its recurrence's arithmetic in place for decode (recurrent_step): the same
+math transformers runs, fed from and written back to our slot buffers. The recurrent state is fp32
+[slots, HV, V, K]; transformers keeps [.., K, V], so it is transposed on the way into its functions
+and back. Conv state: [slots, C, kernel - 1]."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 from ..kernels.reference import conv_silu_ref, depthwise_causal_conv_silu
 from .linear import FusedLinear, QuantLinear
 from .norm import gated_rmsnorm
-from .step import Chunk, Step
+from .step import Chunk, Step, slot_rows
 
 
 FLA_CHUNK = 64  # fla-core's chunk of the delta rule, which varlen_inputs' chunk indices count in
@@ -242,17 +243,14 @@ class GatedDeltaNet(nn.Module):
                            self.H, self.K, self.V, self.eps, quant=quant, pdl=self.kernels.pdl)
             o, o_q = (o, None) if quant is None else o
             return self.out_proj(o, o_q, partials)
-        slots, b = step.slots, x.shape[0]
-        conv = state["conv"][:b] if step.in_order else state["conv"].index_select(0, slots)
+        conv, ssm = slot_rows(state["conv"], step), slot_rows(state["ssm"], step)
         window = torch.cat([conv, p["in_proj_qkv"][:, :, None]], dim=-1)  # [B, C, kernel]
         mixed = depthwise_causal_conv_silu(window, self.conv_weight)
-        ssm = state["ssm"][:b] if step.in_order else state["ssm"].index_select(0, slots)
         core = recurrent_step(*self._qkv_gates(p, mixed), ssm)
-        if step.in_order:  # the slots' own rows, updated in place
-            conv.copy_(window[:, :, 1:])
-        else:
-            state["conv"].index_copy_(0, slots, window[:, :, 1:].contiguous())
-            state["ssm"].index_copy_(0, slots, ssm)
+        conv.copy_(window[:, :, 1:])
+        if not step.in_order:  # copies: back into their slots
+            state["conv"].index_copy_(0, step.slots, conv)
+            state["ssm"].index_copy_(0, step.slots, ssm)
         return self._out(core, x, p)
 
     # --- speculative decoding (#55): verify T tokens per row, then commit each row's accepted prefix ---------

@@ -27,6 +27,12 @@ def in_order(slots: torch.Tensor) -> bool:
     return bool((slots == torch.arange(slots.shape[0], device=slots.device)).all())
 
 
+def slot_rows(t: torch.Tensor, step: Step) -> torch.Tensor:
+    """A per-slot state's rows for the step's rows: its own prefix (a view, updated in place) when the
+    step is in order, else a copy gathered with index_select (the caller writes it back)."""
+    return t[: step.slots.shape[0]] if step.in_order else t.index_select(0, step.slots)
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One request's share of a prefill pass: n prompt tokens from position `start`, into `slot`.

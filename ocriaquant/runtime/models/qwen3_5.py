@@ -261,7 +261,7 @@ class Qwen3_5(nn.Module):
             from ..kernels.reference import step_inputs_ref
 
             x, *meta = step_inputs_ref(tokens, slots, lengths, deltas, self.embed.weight, self.rotary, self.dtype)
-        return x, Step(slots, lengths, *meta, span, in_order=not self.kernels and bool(span) and in_order(slots))
+        return x, Step(slots, lengths, *meta, span, in_order=not self.kernels and in_order(slots))
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, deltas: torch.Tensor,

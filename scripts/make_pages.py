@@ -1,6 +1,7 @@
 """Render synthetic pages (PNG) with exact markdown ground truth (sidecar .md).
 
     python scripts/make_pages.py --out pages --count 64 --seed 1                  # document pages
+    python scripts/make_pages.py --out calib_data --count 96 --sizes 512x640 --jpeg 85  # the bundled pages
     python scripts/make_pages.py --out calib_data --count 128 --seed 0 --style grid  # the bundled grid pages
     python scripts/make_pages.py --out judge --count 32 --seed 7 --renderer reportlab  # the second renderer
 
@@ -43,6 +44,8 @@ if __name__ == "__main__":
     ap.add_argument("--font-px", default=None, help="doc: body font size range LO-HI px (default 13-24)")
     ap.add_argument("--max-chars", type=int, default=None, help="doc: start no block past this many characters")
     ap.add_argument("--clean", action="store_true", help="doc: black on white, no skew, blur or noise")
+    ap.add_argument("--jpeg", type=int, default=None, metavar="QUALITY",
+                    help="ours: write JPEG at this quality (e.g. 85) instead of PNG")
     ap.add_argument("--font-size", type=int, default=15, help="proportional style only")
     ap.add_argument("--max-blocks", type=int, default=None, help="grid / proportional styles")
     args = ap.parse_args()
@@ -77,8 +80,8 @@ if __name__ == "__main__":
                 style = replace(style, scan=False)
         if args.max_blocks and args.style != "doc":
             style = replace(style, max_blocks=args.max_blocks)
-        paths = write_pages(args.out, args.count, seed=args.seed, style=style)
+        paths = write_pages(args.out, args.count, seed=args.seed, style=style, jpeg_quality=args.jpeg)
         meta = {"renderer": "ours", "style_name": args.style, "seed": args.seed, "count": args.count,
-                "style": asdict(style)}
+                "jpeg_quality": args.jpeg, "style": asdict(style)}
     (args.out / "synth.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {len(paths)} pages to {args.out}")

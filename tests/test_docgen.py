@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from ocriaquant.data import load_pages
 from ocriaquant.data.docgen import DOC_STYLE, DocStyle, make_doc_page, markdown_words, vocabulary
@@ -105,6 +106,12 @@ def test_written_doc_pages_load_with_their_markdown(tmp_path):
     assert [p.name for p in pages] == [p.name for p in paths]
     assert pages[1].reference == make_doc_page(2 * 1_000_003 + 1, SMALL).markdown
     assert DocStyle.from_dict(json.loads(json.dumps(dataclasses.asdict(DOC_STYLE)))) == DOC_STYLE
+    jpegs = write_pages(tmp_path / "jpeg", 3, seed=2, style=SMALL, jpeg_quality=85)  # the bundled pages' format
+    loaded = load_pages(tmp_path / "jpeg").pages
+    assert [p.name for p in loaded] == [p.name for p in jpegs] and jpegs[0].suffix == ".jpg"
+    assert [p.reference for p in loaded] == [p.reference for p in pages]
+    png, jpg = (np.asarray(Image.open(p).convert("RGB"), dtype=float) for p in (paths[0], jpegs[0]))
+    assert png.shape == jpg.shape and np.abs(png - jpg).mean() < 4  # the same page, lossy
 
 
 def test_markdown_words():

@@ -375,15 +375,19 @@ def make_page(seed: int, style: SynthStyle | DocStyle | None = None) -> SynthPag
 
 
 def write_pages(out_dir: Path, count: int, seed: int = 0, style: SynthStyle | DocStyle | None = None,
-                prefix: str = "page") -> list[Path]:
-    """Write `count` pages as PNG + sidecar .md; returns the image paths."""
+                prefix: str = "page", jpeg_quality: int | None = None) -> list[Path]:
+    """Write `count` pages as PNG (or JPEG at `jpeg_quality`) + sidecar .md; returns the image paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i in range(count):
         page = make_page(seed * 1_000_003 + i, style)
-        img_path = out_dir / f"{prefix}-{i:04d}.png"
-        page.image.save(img_path, optimize=True)
+        if jpeg_quality is None:
+            img_path = out_dir / f"{prefix}-{i:04d}.png"
+            page.image.save(img_path, optimize=True)
+        else:  # a scanned page's own format: ~1/8 of the PNG's bytes for a noisy tinted page
+            img_path = out_dir / f"{prefix}-{i:04d}.jpg"
+            page.image.convert("RGB").save(img_path, quality=jpeg_quality, optimize=True)
         (out_dir / f"{prefix}-{i:04d}.md").write_text(page.markdown + "\n", encoding="utf-8")
         paths.append(img_path)
     return paths

@@ -131,20 +131,11 @@ class _Canvas:
         return int(size * 1.35)
 
     def heading(self, text: str, size: int) -> bool:
-        f = self.font(size, bold=True)
-        lines = _wrap(text, f, self.text_w)
-        h = len(lines) * self.line_h(size) + size // 2
-        if not self.fits(h):
-            return False
-        for ln in lines:
-            self.draw.text((self.s.margin, self.y), ln, font=f, fill=0)
-            self.y += self.line_h(size)
-        self.y += size // 2
-        return True
+        return self.paragraph(text, size, bold=True)
 
-    def paragraph(self, text: str) -> bool:
-        size = self.s.font_size
-        f = self.font(size)
+    def paragraph(self, text: str, size: int | None = None, bold: bool = False) -> bool:
+        size = size or self.s.font_size
+        f = self.font(size, bold=bold)
         lines = _wrap(text, f, self.text_w)
         h = len(lines) * self.line_h(size) + size // 2
         if not self.fits(h):

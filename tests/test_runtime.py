@@ -220,14 +220,14 @@ def test_parse_writes_every_readable_page_and_reports_a_corrupt_one(tmp_path):
 
     pages = tmp_path / "pages"
     pages.mkdir()
-    for p in [p for p in sorted(BUNDLED_PAGES.glob("*.png"))[:2]]:
+    for p in [p for p in sorted(BUNDLED_PAGES.glob("page-*")) if p.suffix != ".md"][:2]:
         shutil.copy(p, pages / p.name)
     (pages / "broken.png").write_bytes(b"\x89PNG not really")
     with pytest.warns(UserWarning, match="broken.png"):
         s = parse(None, pages, tmp_path / "out", max_new_tokens=24, max_batch=2)
     assert s["parsed"] == 2 and [f["path"].endswith("broken.png") for f in s["failed"]] == [True]
     written = sorted(f.name for f in (tmp_path / "out").glob("*.md"))
-    assert written == sorted(p.stem + ".md" for p in pages.glob("page-*.png"))
+    assert written == sorted(p.stem + ".md" for p in pages.glob("page-*"))
     assert all((tmp_path / "out" / w).read_text().startswith("#") for w in written)
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["tokens"] > 0
     s2 = parse(None, pages, tmp_path / "out", max_new_tokens=24, max_batch=2)  # rerun: nothing left to do

@@ -71,7 +71,7 @@ def _dot16_kernel(x_ptr, xs_ptr, w_ptr, sc_ptr, sc8_ptr, gs_ptr, y_ptr, ws_ptr, 
         lo = e2m1_times_2m14(p & 15)
         hi = e2m1_times_2m14((p >> 4) & 15)
         w = tl.reshape(tl.join(lo, hi), (BN, BK // 16, 16))
-        w = tl.reshape(w * (s * 128.0)[:, :, None], (BN, BK))  # E2M1 · s · 2⁻⁷, exact in fp16
+        w = tl.reshape((w * (s * 128.0)[:, :, None]).to(tl.float16), (BN, BK))  # E2M1 · s · 2⁻⁷, exact in fp16
         ks = k0 + rk
         xt = tl.load(x_ptr + rm[None, :] * stride_xm + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K),
                      other=0.0)

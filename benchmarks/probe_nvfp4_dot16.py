@@ -17,7 +17,8 @@ row scale: the products Σ x·E2M1·s are exact, so the result differs from the 
 (weights rounded to bf16 after the division by the global scale) by ≤ 2⁻⁹ of a weight, as the
 batch-1 kernel's does.
 
-Answer goes to docs/bench-log/spec.md; the probe goes once answered.
+Answer goes to docs/bench-log/spec.md; the probe goes once answered (if this form wins, it replaces
+gemv_nvfp4's dot form, whose weight and scale loads it copies).
 """
 
 from __future__ import annotations

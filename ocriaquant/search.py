@@ -42,9 +42,10 @@ import torch
 import yaml
 
 from .artifacts import (DEFAULT_CALIBRATION, DEFAULT_SEARCH, Plan, calibrated_model, input_absmax, load_calibration,
-                        save_plan)
+                        page_hash, save_plan)
 from .errors import OcriaError
 from .files import write_json_atomic
+from .journal import DecodeJournal
 from .model.groups import BITS_PER_WEIGHT, FORMATS
 from .peers import PeerPlan, select as select_peers
 from .recipes import RECIPES
@@ -293,8 +294,9 @@ class Candidate:
     same_as_bf16: float = 0.0                               # fraction of pages with identical output
     delta: object = None                                    # Interval: NED(candidate) - NED(BF16)
     decoded_as: str | None = None                           # an earlier candidate with the same numerics
+    reused: bool = False                                    # its outputs from an earlier run (journal.py)
     decode_s: float = 0.0                                   # wall time of its held-out decode (0: shared); report only
-    tokens: int = 0                                         # tokens its held-out decode generated
+    tokens: int = 0                                         # tokens its held-out decode generated (0: shared)
     measured: dict | None = None                            # timed in the runtime (Judge.measure)
     projected: dict | None = None                           # b200 projection (projected_step), ms
     speed_s: float = 0.0                                    # the objective, seconds (lower is better)
@@ -309,7 +311,7 @@ class Candidate:
                 "damage": self.damage, "ned": ci.estimate, "ned_ci": [ci.low, ci.high],
                 "ned_vs_bf16": float(np.mean(self.ned_vs_bf16)), "same_as_bf16": self.same_as_bf16,
                 "ned_increase": None if self.delta is None else [self.delta.estimate, self.delta.low, self.delta.high],
-                "formats": format_counts(self.plan), "decoded_as": self.decoded_as}
+                "formats": format_counts(self.plan), "decoded_as": self.decoded_as, "reused": self.reused}
 
 
 def _numerics_key(c: Candidate) -> tuple:
@@ -569,6 +571,12 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
 
     judge = Judge(model_dir, config, proc, held, limits, groups, absmax, opts)
     measuring, why_not = judge.measuring, None
+    runtime = judge.describe()
+    journal = DecodeJournal(out / "candidates",
+                            {"calibration": calibration.meta["fingerprint"], "limits": limits,
+                             "pages": [[p.name, page_hash(p)] for p in held],
+                             "runtime": {k: runtime[k] for k in ("device", "backend", "dtype", "slots", "cuda_graphs")}},
+                            {**runtime, "batch": opts.batch, "objective": objective, "slo_p90": opts.slo_p90})
     if not measuring:
         why_not = ("--no-measure" if opts.measure is False else
                    "on the CPU the torch backend would be timed, which is not how the checkpoint is served; "
@@ -591,12 +599,18 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
             key = _numerics_key(c)
             want_speed = measuring and c.target == target
             first = decoded.get(key)
+            kept = journal.get(key) if first is None else None  # an earlier run's decode of these numerics
             if first is not None and (first.measured is not None or not want_speed):
                 c.decoded_as, preds, c.measured = first.label, first.preds, first.measured
+            elif kept is not None and (kept[2] is not None or not want_speed):
+                preds, c.tokens, c.measured, c.reused = kept[0], kept[1], kept[2], True
             else:
                 rt = judge.build(c.plan, c.target)
                 if first is not None:  # same numerics decoded already; only its speed is missing
-                    c.decoded_as, preds = first.label, first.preds
+                    c.decoded_as, preds, toks = first.label, first.preds, first.tokens
+                elif kept is not None:  # decoded by an earlier run, timed otherwise (or not at all)
+                    preds, c.tokens, c.reused = kept[0], kept[1], True
+                    toks = c.tokens
                 else:
                     bar.reset(pages_task, total=len(held))
                     t0, seen = time.perf_counter(), [0]
@@ -607,10 +621,12 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
                                    info=f"{seen[0] / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s")
 
                     preds, c.tokens = judge.decode(rt, on_page)
-                    c.decode_s = time.perf_counter() - t0
+                    c.decode_s, toks = time.perf_counter() - t0, c.tokens
+                    journal.put(key, preds, toks)
                 if want_speed:
                     bar.update(pages_task, info="timing the decode step")
                     c.measured = judge.measure(rt)
+                    journal.put(key, preds, toks, c.measured)
                 del rt
                 judge.release()
             c.preds = preds
@@ -622,7 +638,6 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
             c.same_as_bf16 = float(np.mean([y == b for y, b in zip(preds, base_out)]))
             bar.advance(cands)
     decode_wall = time.perf_counter() - t_all
-    runtime = judge.describe()
     del judge  # the model's tensors and the quantized units go back before export runs in this process
     gc.collect()
     if torch.cuda.is_available():
@@ -707,9 +722,9 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
               "eval_page_names": [p.name for p in held],
               "decoding": {**runtime, "pages": len(held), "max_new_tokens": opts.max_new_tokens,
                            "page_limits": [min(limits), max(limits)],
-                           "tokens": sum(c.tokens for c in plans),
-                           "tok_per_s": round(sum(c.tokens for c in plans) / max(sum(c.decode_s for c in plans),
-                                                                                1e-9), 1),
+                           "tokens": sum(c.tokens for c in plans if not c.reused),
+                           "tok_per_s": round(sum(c.tokens for c in plans if not c.reused)
+                                              / max(sum(c.decode_s for c in plans), 1e-9), 1),
                            "wall_s": round(decode_wall, 1)},
               "speed": speed_report,
               "frontier_points": len(frontier),
@@ -720,6 +735,7 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
                               "speed_ms": c.speed_s * 1e3} for c in plans],
               "decode_s": {"all": round(sum(c.decode_s for c in plans), 1),
                            "peers": round(sum(c.decode_s for c in plans if c.role == "peer"), 1)},
+              "reused": [c.label for c in plans if c.reused],
               "peers": peer_reports,
               "peers_dominated_by_chosen": [r["name"] for r in peer_reports if r["chosen_dominates"]]}
     save_plan(out / "plan.json", chosen_plan)
@@ -853,7 +869,10 @@ def _write_markdown(path: Path, report: dict, chosen: Candidate, groups) -> None
              "activations per token, NVFP4 weight-only (h200) or W4A4 (b200). "
              f"Decoding took {report['decode_s']['all']:.0f} s"
              + (f" ({report['decode_s']['peers']:.0f} s of it for the published recipes)" if report["peers"] else "")
-             + f", {dec['tokens']:,} tokens at {dec['tok_per_s']:,.0f} tok/s.", "",
+             + f", {dec['tokens']:,} tokens at {dec['tok_per_s']:,.0f} tok/s."
+             + (f" {len(report['reused'])} of the {len(report['candidates'])} candidates' outputs came from an earlier "
+                "run (`candidates/` beside this report: same model, calibration, pages, runtime and code); delete "
+                "that folder to decode them again." if report["reused"] else ""), "",
              "Groups are counted over the decoder and lm_head; the vision tower is always BF16 and not counted.",
              "",
              "## Evaluated candidates", "",

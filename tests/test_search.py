@@ -347,6 +347,75 @@ def test_search_times_its_finalists_and_ranks_predicted_against_measured(tiny_ca
     assert "pages/s (p90 ≤ 1000000.0 s)" in (tmp_path / "thr" / "report.md").read_text()
 
 
+def test_a_killed_search_resumes_and_a_rerun_decodes_only_what_changed(tiny_calib, synth_pages, tmp_path,
+                                                                       monkeypatch):
+    """Search keeps each candidate's outputs as it decodes them (journal.py): killed on its third decode, the rerun
+    decodes only the candidates left and reports what a search never killed reports; a rerun that changes only the
+    tolerance decodes nothing; timings are kept under the same timing settings and retaken, without decoding, under
+    others; other pages decode everything again, and an entry cut short is decoded again."""
+    from ocriaquant.search import Judge
+
+    decode, measure, calls = Judge.decode, Judge.measure, {"decode": 0, "measure": 0, "kill_at": None}
+
+    def counted_decode(self, rt, on_page=None):
+        calls["decode"] += 1
+        if calls["decode"] == calls["kill_at"]:
+            raise RuntimeError("killed")
+        return decode(self, rt, on_page)
+
+    def counted_measure(self, rt):
+        calls["measure"] += 1
+        return measure(self, rt)
+
+    monkeypatch.setattr(Judge, "decode", counted_decode)
+    monkeypatch.setattr(Judge, "measure", counted_measure)
+
+    def run(out, **kw):
+        calls.update(decode=0, measure=0)
+        return run_search(tiny_calib, synth_pages, tmp_path / out, replace(opts, **kw))
+
+    def outcome(rep):
+        return [(c["label"], c["ned"], c["ned_vs_bf16"], c["same_as_bf16"]) for c in rep["candidates"]]
+
+    opts = SearchOptions(eval_pages=2, candidates=1, max_new_tokens=6, max_ned_increase=0.5, peers="none")
+    clean = run("clean")
+    distinct = calls["decode"]
+    assert distinct >= 4 and clean["reused"] == []
+
+    calls["kill_at"] = 3
+    with pytest.raises(RuntimeError, match="killed"):
+        run("s")
+    calls["kill_at"] = None
+    assert len(list((tmp_path / "s" / "candidates").glob("*.json"))) == 2
+    resumed = run("s")
+    assert calls["decode"] == distinct - 2 and len(resumed["reused"]) == 2
+    assert outcome(resumed) == outcome(clean) and resumed["chosen"] == clean["chosen"]
+    assert "2 of the" in (tmp_path / "s" / "report.md").read_text()
+    fresh = [c for c in resumed["candidates"] if not c["decoded_as"] and not c["reused"]]
+    assert resumed["decoding"]["tokens"] == sum(c["tokens"] for c in fresh)  # this run's decoding only
+    assert all(c["tokens"] > 0 for c in resumed["candidates"] if c["reused"])
+
+    strict = run("s", max_ned_increase=0.0)
+    assert calls["decode"] == 0 and outcome(strict) == outcome(clean)
+
+    timed = run("s", measure=True, measure_steps=2)
+    assert calls["decode"] == 0 and calls["measure"] >= 3
+    assert [c["measured"] is not None for c in timed["candidates"]] == \
+        [c["target"] == "h200" for c in timed["candidates"]]
+    again = run("s", measure=True, measure_steps=2)
+    assert calls["decode"] == 0 and calls["measure"] == 0
+    assert [c["measured"] for c in again["candidates"]] == [c["measured"] for c in timed["candidates"]]
+    run("s", measure=True, measure_steps=3)
+    assert calls["decode"] == 0 and calls["measure"] >= 3
+
+    run("s", eval_pages=1)
+    assert calls["decode"] == distinct
+    entry = max((tmp_path / "s" / "candidates").glob("*.json"), key=lambda f: f.stat().st_mtime_ns)  # this context's
+    entry.write_text(entry.read_text()[:40])
+    run("s", eval_pages=1)
+    assert calls["decode"] == 1
+
+
 def test_spearman_and_the_b200_projection():
     from ocriaquant.model.groups import LayerGroup
     from ocriaquant.search import projected_step, spearman

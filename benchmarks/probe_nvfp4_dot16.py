@@ -166,13 +166,16 @@ def timing(ms: list[int], device: str = "cuda") -> list[dict]:
             tried = time_tiles(cands, lambda i, c: gemv_nvfp4_dot16(x16, xs, WP[i][0], WP[i][1], gs, out=outs[i], **c),
                                timed, pct, print)
             best = min(tried, key=lambda t: t["us"]) if tried else None
+            prep = graph_time_us([lambda: fp16_rows(x)] * 64)  # what a producer kernel would write instead
             row = dict(shape=name, n=n, k=k, m=m, cublas_bf16_us=round(cublas, 2), cublas_pct=pct(cublas),
+                       fp16_rows_torch_us=round(prep, 2),
                        old_dot_us=round(old, 2), old_dot_pct=pct(old), dot16=tried,
                        best=best, best_vs_cublas=round(cublas / best["us"], 3) if best else None)
             rows.append(row)
             got = (f"{best['us']} µs ({best['pct']} %, tile {best['block_n']}x{best['block_k']}, {best['num_warps']} warps, "
                    f"{best['num_stages']} stages): {row['best_vs_cublas']}x cuBLAS") if best else "no tile ran"
-            print(f"{name} M={m}: cuBLAS {cublas:.1f} µs ({pct(cublas)} %), old dot {old:.1f} µs, dot16 {got}")
+            print(f"{name} M={m}: cuBLAS {cublas:.1f} µs ({pct(cublas)} %), old dot {old:.1f} µs, dot16 {got}; "
+                  f"activations to fp16 rows in torch {prep:.1f} µs")
     return rows
 
 

@@ -247,7 +247,9 @@ def search(
     The plan's parsing quality on held-out pages stays within the tolerance (NED increase over
     BF16, 95% upper bound); the Pareto frontier and the evidence go in a report. plan.json
     names the model and calibration relative to its own folder: move them together, or give
-    `ocriaquant export` the model with --model.
+    `ocriaquant export` the model with --model. Each candidate's outputs go to --out's candidates/
+    as they are decoded: a killed search resumes there, and a rerun with another tolerance
+    re-ranks without decoding (delete candidates/ to decode again).
     """
     from .pipeline import default_calibration
     from .search import SearchOptions, run_search

@@ -290,8 +290,9 @@ class BenchOptions:
 
 
 def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Callable[[str], None] = print,
-        **fields) -> dict:
-    """Everything `ocriaquant bench` measures, as one report dict. Named fields override options."""
+        save: Callable[[dict], None] | None = None, **fields) -> dict:
+    """Everything `ocriaquant bench` measures, as one report dict. Named fields override options. `save`, if
+    given, gets the report as it grows (marked "partial"), after each figure: a run cut short keeps them."""
     o = replace(options, **fields)
     shape, plan, device, backend, context, steps = o.shape, o.plan, o.device, o.backend, o.context, o.steps
     batches, concurrency, pages, out_tokens = list(o.batches), list(o.concurrency), o.pages, o.out_tokens
@@ -358,6 +359,11 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
               "copy_bandwidth_tb_s": round(bw / 1e12, 3), "context": context, "decode": [], "pages": [],
               "page_px": [side, side], "page_prompt_tokens": prompt_len, "out_tokens": out_tokens,
               "setup_s": round(time.perf_counter() - t0, 1)}
+
+    def keep() -> None:
+        if save is not None:
+            save({**report, "partial": True, "total_s": round(time.perf_counter() - t0, 1)})
+
     for b in batches:
         sec = decode_speed(rt, b, context, steps, vocab)
         by = step_bytes(rt, b, context)
@@ -366,6 +372,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
                "weights_bytes": by["weights"],
                "roofline_ms": round(by["total"] / bw * 1e3, 3), "roofline_frac": round(by["total"] / bw / sec, 3)}
         report["decode"].append(row)
+        keep()
         log(f"decode batch {b}: {row['ms_per_step']} ms/step, {row['tok_per_s']} tok/s, "
             f"{row['roofline_frac']:.0%} of roofline")
     if baseline and hf is not None:
@@ -378,10 +385,12 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
             row = next(r for r in report["decode"] if r["batch"] == b)
             row["transformers_tok_per_s"] = round(b / sec, 1)
             row["speedup_vs_transformers"] = round(row["tok_per_s"] / (b / sec), 1)
+            keep()
             log(f"transformers batch {b}: {b / sec:.1f} tok/s -> ours {row['speedup_vs_transformers']}x")
     if o.spec:
         report["spec"] = spec_report(rt, o, probs, batches, context, steps, report["decode"], log)
         report["spec"]["simulated_acceptance"] = rt._simulated is not None
+        keep()
     del hf  # the baseline's memory goes back before the pages run
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -407,6 +416,7 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
         log(f"pages warm-up: {report['pages_warmup_s']} s (one page in two passes, buckets captured: {captured or 'none'})")
         if dev.type == "cuda":
             report["prefill"] = pf = prefill_speed(rt, encs[0], dense_bf16_rate(dev))
+            keep()
             log(f"one page's prefill: vision {pf['vision_s']} s + text {pf['text_s']} s = {pf['total_s']} s, "
                 f"{pf['over_roofline']}x its roofline ({pf['vision_tflop']} + {pf['text_tflop']} TFLOP at "
                 f"{pf['dense_bf16_tflop_s']} TFLOP/s)")
@@ -418,11 +428,13 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
             n = pages or max(4, c)
             row = page_speed(e, (encs * (n // len(encs) + 1))[:n], c, out_tokens)
             report.setdefault("pages" + key, []).append(row)
+            keep()
             log(f"pages at concurrency {c}{what}: {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 "
                 f"{row['p90_s']} s" + (f", {row['accepted_length']} tokens a verify" if "accepted_length" in row else ""))
         if o.slo_p90:
             report["slo" + key] = pages_at_slo(e, encs, o.slo_p90, out_tokens, SLO_MAX_CONCURRENCY, pages,
                                                lambda m, what=what: log(m + what))
+            keep()
     if o.spec and o.slo_p90:
         sp, pl = report["slo"]["pages_per_s"], report["slo_plain"]["pages_per_s"]
         report["spec"]["slo_pages_per_s"] = {"plain": pl, "spec": sp, "ratio": round(sp / pl, 3) if pl else None}

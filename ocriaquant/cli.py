@@ -507,7 +507,8 @@ def bench(
                                                        "given, not measured.")] = None,
     draft: Draft = "bf16",
     draft_vocab: DraftVocab = 0,
-    out: Annotated[Path, typer.Option(help="JSON report.")] = Path("ocriaquant-out/bench.json"),
+    out: Annotated[Path, typer.Option(help="JSON report, rewritten as each figure comes in (marked "
+                                           "\"partial\" until the run ends).")] = Path("ocriaquant-out/bench.json"),
     verbose: Verbose = False,
 ):
     """Measure the runtime's speed, with transformers beside it, in one run.
@@ -543,7 +544,7 @@ def bench(
         rep = run_gpus(checkpoint, gpus, opts, log=log)
         console.print(gpus_table(rep))
     else:
-        rep = run(checkpoint, opts, log=log)
+        rep = run(checkpoint, opts, log=log, save=lambda r: write_json_atomic(out, r))  # a cut run keeps its rows
         for t in table(rep):
             console.print(t)
     write_json_atomic(out, rep)

@@ -109,6 +109,34 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
     assert pages["pages"] == 3 and pages["p90_s"] < first_cost <= rep["pages_warmup_s"]
 
 
+def test_bench_cut_short_keeps_what_it_measured(monkeypatch, tmp_path):
+    """A bench stopped midway (here its second concurrency level fails; a call killed at its time limit alike)
+    leaves the figures it measured in --out, marked partial; a run that ends leaves the whole report, unmarked."""
+    from ocriaquant import bench
+
+    real, levels = bench.page_speed, []
+
+    def page_speed(*a, **kw):
+        levels.append(a[2])
+        if levels == [1, 2]:
+            raise RuntimeError("cut short")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bench, "page_speed", page_speed)
+    out = tmp_path / "bench.json"
+    args = ["bench", "--device", "cpu", "--backend", "torch", "--batches", "1,2", "--steps", "1", "--concurrency",
+            "1,2", "--pages", "2", "--out-tokens", "2", "--context", "8", "--no-baseline", "--megapixels", "0.2",
+            "--out", str(out)]
+    assert runner.invoke(app, args).exit_code != 0
+    rep = json.loads(out.read_text())
+    assert rep["partial"] and [r["batch"] for r in rep["decode"]] == [1, 2]
+    assert [r["concurrency"] for r in rep["pages"]] == [1] and "slo" not in rep
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert "partial" not in rep and [r["concurrency"] for r in rep["pages"]] == [1, 2]
+
+
 def test_bench_refuses_bad_input_with_one_line():
     res = runner.invoke(app, ["bench", "--shape", "gpt-5", "--device", "cpu", "--backend", "torch"])
     assert res.exit_code == 2 and "unknown shape 'gpt-5'" in res.output

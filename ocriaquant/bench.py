@@ -432,8 +432,12 @@ def run(checkpoint: Path | None, options: BenchOptions = BenchOptions(), log: Ca
             log(f"pages at concurrency {c}{what}: {row['pages_per_s']} pages/s, p50 {row['p50_s']} s, p90 "
                 f"{row['p90_s']} s" + (f", {row['accepted_length']} tokens a verify" if "accepted_length" in row else ""))
         if o.slo_p90:
+            def searching(levels, key=key):  # the levels so far, kept while the search runs
+                report["slo" + key] = {"slo_p90_s": o.slo_p90, "searching": True, "levels": levels}
+                keep()
+
             report["slo" + key] = pages_at_slo(e, encs, o.slo_p90, out_tokens, SLO_MAX_CONCURRENCY, pages,
-                                               lambda m, what=what: log(m + what))
+                                               lambda m, what=what: log(m + what), searching)
             keep()
     if o.spec and o.slo_p90:
         sp, pl = report["slo"]["pages_per_s"], report["slo_plain"]["pages_per_s"]

@@ -110,28 +110,37 @@ def test_bench_pages_exclude_a_first_call_cost(monkeypatch):
 
 
 def test_bench_cut_short_keeps_what_it_measured(monkeypatch, tmp_path):
-    """A bench stopped midway (here its second concurrency level fails; a call killed at its time limit alike)
-    leaves the figures it measured in --out, marked partial; a run that ends leaves the whole report, unmarked."""
+    """A bench stopped midway (here a page level fails; a call killed at its time limit alike) leaves the figures
+    it measured in --out, marked partial, the SLO search's levels so far included; a run that ends leaves the
+    whole report, unmarked."""
     from ocriaquant import bench
+    from ocriaquant.runtime import measure
 
-    real, levels = bench.page_speed, []
+    real, calls = bench.page_speed, {"n": 0, "cut_at": 2}
 
     def page_speed(*a, **kw):
-        levels.append(a[2])
-        if levels == [1, 2]:
+        calls["n"] += 1
+        if calls["n"] == calls["cut_at"]:
             raise RuntimeError("cut short")
         return real(*a, **kw)
 
     monkeypatch.setattr(bench, "page_speed", page_speed)
+    monkeypatch.setattr(measure, "page_speed", page_speed)  # the SLO search's
     out = tmp_path / "bench.json"
-    args = ["bench", "--device", "cpu", "--backend", "torch", "--batches", "1,2", "--steps", "1", "--concurrency",
-            "1,2", "--pages", "2", "--out-tokens", "2", "--context", "8", "--no-baseline", "--megapixels", "0.2",
-            "--out", str(out)]
-    assert runner.invoke(app, args).exit_code != 0
+    common = ["bench", "--device", "cpu", "--backend", "torch", "--batches", "1,2", "--steps", "1", "--pages", "2",
+              "--out-tokens", "2", "--context", "8", "--no-baseline", "--megapixels", "0.2", "--out", str(out)]
+    assert runner.invoke(app, [*common, "--concurrency", "1,2"]).exit_code != 0
     rep = json.loads(out.read_text())
     assert rep["partial"] and [r["batch"] for r in rep["decode"]] == [1, 2]
     assert [r["concurrency"] for r in rep["pages"]] == [1] and "slo" not in rep
-    res = runner.invoke(app, args)
+
+    calls.update(n=0, cut_at=2)  # an SLO no level holds: concurrency 2, then 1, which fails
+    assert runner.invoke(app, [*common, "--concurrency", "", "--slo-p90", "1e-6"]).exit_code != 0
+    rep = json.loads(out.read_text())
+    assert rep["partial"] and rep["slo"]["searching"] and [r["concurrency"] for r in rep["slo"]["levels"]] == [2]
+
+    calls.update(n=0, cut_at=None)
+    res = runner.invoke(app, [*common, "--concurrency", "1,2"])
     assert res.exit_code == 0, res.output
     rep = json.loads(out.read_text())
     assert "partial" not in rep and [r["concurrency"] for r in rep["pages"]] == [1, 2]

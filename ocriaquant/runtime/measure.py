@@ -73,13 +73,14 @@ def page_stats(latencies: list[float], tokens: int, wall: float) -> dict:
 
 
 def pages_at_slo(engine, encs: list[dict], slo_p90: float, out_tokens: int, max_concurrency: int | None = None,
-                 pages: int | None = None, log: Callable[[str], None] | None = None) -> dict:
+                 pages: int | None = None, log: Callable[[str], None] | None = None,
+                 on_level: Callable[[list[dict]], None] | None = None) -> dict:
     """The highest concurrency whose p90 page latency holds `slo_p90` seconds, and its pages/s:
     from 8, concurrency halves until p90 holds or doubles until it does not (up to max_concurrency,
     default the runner's slots), then bisects between the last level that held and the first
     that did not. Each level serves `pages` pages (default max(8, 2 × level): admissions
     staggered, not one burst), the encodings cycled. pages_per_s 0 when even one page at a
-    time misses the objective."""
+    time misses the objective. on_level gets the levels measured so far after each one."""
     max_concurrency = min(max_concurrency or engine.runner.max_slots, engine.runner.max_slots)
     if pages:  # more requests in flight than pages served measures nothing more
         max_concurrency = min(max_concurrency, pages)
@@ -92,6 +93,8 @@ def pages_at_slo(engine, encs: list[dict], slo_p90: float, out_tokens: int, max_
             r = levels[c]
             if log:
                 log(f"SLO search, concurrency {c}: {r['pages_per_s']} pages/s, p50 {r['p50_s']} s, p90 {r['p90_s']} s")
+            if on_level:
+                on_level([levels[k] for k in sorted(levels)])
         return levels[c]
 
     good, bad, c = 0, None, min(START_CONCURRENCY, max_concurrency)

@@ -138,7 +138,7 @@ def check(device: str) -> list[dict]:
     return rows
 
 
-def timing(ms: list[int], device: str = "cuda") -> list[dict]:
+def timing(ms: list[int], device: str = "cuda", on_row=None) -> list[dict]:
     from kernels_harness import FUSED, checked_timer, graph_time_us, time_tiles, weight_copies
 
     from ocriaquant.bench import copy_bandwidth
@@ -172,6 +172,8 @@ def timing(ms: list[int], device: str = "cuda") -> list[dict]:
                        old_dot_us=round(old, 2), old_dot_pct=pct(old), dot16=tried,
                        best=best, best_vs_cublas=round(cublas / best["us"], 3) if best else None)
             rows.append(row)
+            if on_row:
+                on_row(rows)
             got = (f"{best['us']} µs ({best['pct']} %, tile {best['block_n']}x{best['block_k']}, {best['num_warps']} warps, "
                    f"{best['num_stages']} stages): {row['best_vs_cublas']}x cuBLAS") if best else "no tile ran"
             print(f"{name} M={m}: cuBLAS {cublas:.1f} µs ({pct(cublas)} %), old dot {old:.1f} µs, dot16 {got}; "
@@ -187,10 +189,15 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "check": check(device)}
+    def save(rows=None):  # after every row: a call cut at its time limit keeps what it timed
+        if rows is not None:
+            report["timing"] = rows
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+
+    save()
     if not args.check and device == "cuda":
-        report["timing"] = timing([int(v) for v in args.batches.split(",")])
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+        save(timing([int(v) for v in args.batches.split(",")], on_row=save))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ where Triton 3.4-3.7.0 miscompiles fla's on Hopper, fla forward + torch backward
 choice and its timings go to the log.
 
 Resumable: --work/state.pt (fp32 weights, optimizer, stream position, clocks) every --save-every
-steps and at the end, for a restart on the same machine (--resume); and a pack (--work/pack/:
+steps or --save-minutes and at the end, for a restart on the same machine (--resume); and a pack (--work/pack/:
 BF16 weights with their high bytes compressed, tokenizer, config, training record; parts of <= 15
 MiB) for the next machine (--resume-from PACK: fresh optimizer with a short warm-up, same
 schedule, same stream). --minutes is wall time in all across runs (setup, evaluations and saves
@@ -411,6 +411,8 @@ def main() -> None:
     ap.add_argument("--judge", type=Path, default=None, help="second-renderer pages (PNG + .md) decoded at each eval")
     ap.add_argument("--eval-batch", type=int, default=64, help="pages a generate call decodes together")
     ap.add_argument("--save-every", type=int, default=1000, help="steps between state.pt + pack saves")
+    ap.add_argument("--save-minutes", type=float, default=3.0,
+                    help="and at least this often: a lent machine lost between saves loses no more")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a tiny reader (CPU smoke tests)")
@@ -666,6 +668,7 @@ def main() -> None:
             tensors |= {f"mtp.{k}": v.detach().cpu() for k, v in mtp.state_dict().items()}
         save_pack(args.work / "pack", tensors, rec)
         log({"event": "saved", "step": step, "s": round(time.time() - t, 1)})
+        saved_at[0] = time.time()
 
     def run_eval(final: bool = False) -> None:
         t = time.time()
@@ -680,6 +683,7 @@ def main() -> None:
         log({"event": "eval", **e})
         model.train()
 
+    saved_at = [time.time()]
     stop_s = args.stop_after * 60 if args.stop_after else float("inf")
     # Wall seconds kept for the final evaluation and saves (measured at the first evaluation).
     reserve = 90.0 if cuda and (own_pages or judge_pages) else 0.0
@@ -715,7 +719,7 @@ def main() -> None:
                  "wall_min": round(wall() / 60, 2)} | ({"render_failed": len(pool.failed)} if pool.failed else {}))
             t_last, step_last, seen_last = now, step, seen
             recent = recent[-args.log_every:]
-        if step % args.save_every == 0:
+        if step % args.save_every == 0 or time.time() - saved_at[0] >= args.save_minutes * 60:
             save()
         if wall() >= next_eval:
             next_eval += args.eval_every * 60

@@ -295,9 +295,10 @@ def test_train_script_smoke_resume_and_eval(tmp_path):
     run("--work", str(tmp_path / "w"), "--steps", "2", *first, *common)
     run("--work", str(tmp_path / "w"), "--resume", "--steps", "3", *common)
     run("--work", str(tmp_path / "w2"), "--resume-from", str(tmp_path / "w" / "pack"), "--steps", "4",
-        "--out", str(tmp_path / "model"), *common)
+        "--out", str(tmp_path / "model"), "--save-minutes", "0", *common)
     log = [json.loads(ln) for ln in (tmp_path / "w2" / "log.jsonl").read_text().splitlines()]
     assert log[0]["event"] == "start" and log[0]["step"] == 3 and [r["step"] for r in log if "ce" in r] == [4]
+    assert [r["step"] for r in log if r.get("event") == "saved"] == [4, 4]  # --save-minutes 0: every step, and the end
     write_pages(tmp_path / "pages", 1, seed=9, style=dataclasses.replace(SMALL, sizes=((256, 320),)))
     res = subprocess.run([sys.executable, "-m", "ocriaquant", "eval", str(tmp_path / "model"), "--pages",
                           str(tmp_path / "pages"), "--split", "all", "--max-new-tokens", "8"], capture_output=True,

@@ -603,14 +603,14 @@ def run_search(calib: str | Path | None = None, pages: str | Path | None = None,
             if first is not None and (first.measured is not None or not want_speed):
                 c.decoded_as, preds, c.measured = first.label, first.preds, first.measured
             elif kept is not None and (kept[2] is not None or not want_speed):
-                preds, c.tokens, c.measured, c.reused = kept[0], kept[1], kept[2], True
+                (preds, c.tokens, c.measured), c.reused = kept, True
             else:
                 rt = judge.build(c.plan, c.target)
                 if first is not None:  # same numerics decoded already; only its speed is missing
                     c.decoded_as, preds, toks = first.label, first.preds, first.tokens
                 elif kept is not None:  # decoded by an earlier run, timed otherwise (or not at all)
-                    preds, c.tokens, c.reused = kept[0], kept[1], True
-                    toks = c.tokens
+                    (preds, toks, _), c.reused = kept, True
+                    c.tokens = toks
                 else:
                     bar.reset(pages_task, total=len(held))
                     t0, seen = time.perf_counter(), [0]

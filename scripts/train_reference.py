@@ -656,6 +656,7 @@ def main() -> None:
                 "tokenizer_files": {p.name: p.read_text() for p in tok_dir.iterdir() if p.is_file()}}
 
     def save() -> None:
+        nonlocal saved_at
         t = time.time()
         rec = record()
         tmp = state_path.with_suffix(".tmp")
@@ -668,7 +669,7 @@ def main() -> None:
             tensors |= {f"mtp.{k}": v.detach().cpu() for k, v in mtp.state_dict().items()}
         save_pack(args.work / "pack", tensors, rec)
         log({"event": "saved", "step": step, "s": round(time.time() - t, 1)})
-        saved_at[0] = time.time()
+        saved_at = time.time()
 
     def run_eval(final: bool = False) -> None:
         t = time.time()
@@ -683,7 +684,7 @@ def main() -> None:
         log({"event": "eval", **e})
         model.train()
 
-    saved_at = [time.time()]
+    saved_at = time.time()
     stop_s = args.stop_after * 60 if args.stop_after else float("inf")
     # Wall seconds kept for the final evaluation and saves (measured at the first evaluation).
     reserve = 90.0 if cuda and (own_pages or judge_pages) else 0.0
@@ -719,7 +720,7 @@ def main() -> None:
                  "wall_min": round(wall() / 60, 2)} | ({"render_failed": len(pool.failed)} if pool.failed else {}))
             t_last, step_last, seen_last = now, step, seen
             recent = recent[-args.log_every:]
-        if step % args.save_every == 0 or time.time() - saved_at[0] >= args.save_minutes * 60:
+        if step % args.save_every == 0 or time.time() - saved_at >= args.save_minutes * 60:
             save()
         if wall() >= next_eval:
             next_eval += args.eval_every * 60
